@@ -1,0 +1,3 @@
+from cemtool.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Pure measurement functions (the public Python API behind the analysis commands)."""

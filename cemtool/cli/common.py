@@ -1,0 +1,36 @@
+"""Shared CLI plumbing: error guarding and option types."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import typer
+
+from cemtool.cli.console import DEBUG, error_line
+from cemtool.errors import CemtoolError
+
+
+def guarded(fn: Callable) -> Callable:
+    """Turn cemtool errors into one line and exit 1; usage errors stay Click's (exit 2); Ctrl-C exits 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except CemtoolError as e:
+            error_line(e)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            error_line(CemtoolError("interrupted"))
+            raise typer.Exit(130) from None
+        except Exception as e:
+            if DEBUG:
+                raise
+            error_line(e)
+            raise typer.Exit(1) from None
+
+    return wrapper

@@ -1,0 +1,64 @@
+"""The one place that prints: results on stdout, progress and diagnostics on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cemtool.errors import CemtoolError
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+DEBUG = os.environ.get("CEMTOOL_DEBUG", "") not in ("", "0")
+
+
+def error_line(e: BaseException) -> None:
+    """``Error: <message>`` (and a hint line) on stderr."""
+    if isinstance(e, CemtoolError):
+        msg = e.message
+        hint = e.hint
+    else:
+        msg, hint = f"internal error ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})", \
+            "set CEMTOOL_DEBUG=1 for the traceback and report it"
+    # plain write: rich markup must not eat brackets in paths or values
+    sys.stderr.write(f"Error: {msg}\n")
+    if hint:
+        sys.stderr.write(f"Hint: {hint}\n")
+    sys.stderr.flush()
+
+
+def info(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        err.print(msg, markup=False)
+
+
+def result(msg: str) -> None:
+    out.print(msg, markup=False)
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
+    t = Table(title=title, show_lines=False)
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*["" if v is None else str(v) for v in r])
+    out.print(t)
+
+
+def progress(quiet: bool = False) -> Progress:
+    """A rich progress bar on stderr with rate and ETA (disabled when quiet)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
+                    TimeRemainingColumn(), console=err, disable=quiet, transient=False)

@@ -1,0 +1,81 @@
+"""cemtool runs, cemtool archs, cemtool config: look at what exists."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+
+
+@app.command()
+@guarded
+def runs(
+    root: Annotated[Path, typer.Argument(help="a run, or a folder searched for runs")] = Path("runs"),
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List runs with status, steps and last validation loss."""
+    from cemtool.runs import list_runs
+
+    rows = list_runs(root)
+    if json_:
+        console.print_json(rows)
+        return
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else v  # noqa: E731
+    console.table(f"runs under {root}", ["run", "arch", "seed", "status", "step", "val loss", "floor"],
+                  [[r["run"], r.get("arch"), r.get("seed"), r["status"], r.get("step"), fmt(r.get("val_loss")),
+                    fmt(r.get("floor"))] for r in rows])
+
+
+@app.command()
+@guarded
+def archs(
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="base size overrides, e.g. "
+                                                      "model.d_model=256")] = None,
+    vocab: Annotated[int, typer.Option(help="vocabulary size assumed for the counts")] = 512,
+    seq_len: Annotated[int, typer.Option(help="context length for FLOPs/token")] = 64,
+    time: Annotated[bool, typer.Option("--time", help="also measure seconds per training step (CPU, batch 8)")]
+    = False,
+    only: Annotated[Optional[list[str]], typer.Option("--arch", help="only these architectures")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+) -> None:
+    """List the registered architectures with parameters and FLOPs per token at a given size."""
+    from cemtool.analysis.compute import arch_table
+
+    rows = arch_table(overrides=set_ or [], vocab=vocab, seq_len=seq_len, timed=time, only=only)
+    if json_:
+        console.print_json(rows)
+        return
+    cols = ["arch", "family", "params", "non-emb", "attn budget", "fwd FLOPs/tok", "train FLOPs/tok"]
+    if time:
+        cols.append("s/step")
+    body = []
+    for r in rows:
+        line = [r["arch"], r["family"], f"{r['params']:,}", f"{r['non_embedding']:,}", r["attn_budget"],
+                f"{r['flops_forward']:.3e}", f"{r['flops_train']:.3e}"]
+        if time:
+            line.append(f"{r['seconds_per_step']:.4f}")
+        body.append(line)
+    console.table(f"architectures (vocab {vocab}, seq_len {seq_len})", cols, body)
+
+
+@app.command()
+@guarded
+def config(
+    arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="architecture whose preset to apply")] = None,
+    file: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML or JSON config file")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override section.key=value")] = None,
+    fields: Annotated[bool, typer.Option("--fields", help="document every field instead")] = False,
+) -> None:
+    """Print the resolved configuration as JSON (or, with --fields, every field with its documentation)."""
+    from cemtool.config import describe_fields, resolve, to_dict
+
+    if fields:
+        console.table("configuration fields", ["key", "type", "default", "meaning"],
+                      [list(r) for r in describe_fields()])
+        return
+    console.print_json(to_dict(resolve(arch=arch, file=file, overrides=set_ or [])))

@@ -1,0 +1,24 @@
+"""Entry point: imports every command module (each registers itself on the app) and runs it."""
+
+from __future__ import annotations
+
+import importlib
+
+from cemtool.cli.app import app
+
+COMMAND_MODULES = ["cemtool.cli.train_cmd", "cemtool.cli.info_cmd", "cemtool.cli.sharpness_cmd",
+                   "cemtool.cli.collapse_cmd", "cemtool.cli.saturation_cmd"]
+
+for _mod in COMMAND_MODULES:
+    try:
+        importlib.import_module(_mod)
+    except ModuleNotFoundError as e:  # a command still being written
+        if e.name != _mod:
+            raise
+
+
+def main() -> None:
+    app()
+
+
+__all__ = ["app", "main"]

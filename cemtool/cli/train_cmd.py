@@ -1,0 +1,136 @@
+"""cemtool train."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+from cemtool.config import resolve
+from cemtool.errors import CemtoolError
+
+
+class ProgressReporter:
+    """Renders the training loop's events: a progress bar with loss, tokens/s and ETA, eval lines."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = console.progress(quiet)
+        self.task = None
+        self.floor = None
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.__exit__(*exc)
+
+    def __call__(self, ev: dict) -> None:
+        kind = ev["kind"]
+        if kind == "start":
+            self.floor = ev.get("floor")
+            p = ev["params"]
+            floor = f", corpus floor {self.floor:.4f} nats/token" if self.floor is not None else ""
+            self.bar.console.print(f"{p['total']:,} parameters ({p['non_embedding']:,} non-embedding) on "
+                                   f"{ev['device']} x{ev['world']}; evaluating on {ev['eval_tokens']:,} "
+                                   f"tokens{floor}", markup=False)
+            self.task = self.bar.add_task("train", total=ev["total"], completed=ev["step"], status="")
+        elif kind == "step" and self.task is not None:
+            self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
+                            f"{ev['tokens']:,} tok")
+        elif kind == "eval":
+            gap = f"  gap {ev['val_gap']:+.4f}" if ev.get("val_gap") is not None else ""
+            floor = f"  floor {ev['val_floor']:.4f}" if ev.get("val_floor") is not None else ""
+            self.bar.console.print(f"step {ev['step']:>6}  val {ev['val_loss']:.4f}{floor}{gap}", markup=False)
+
+
+def default_out(arch: str, seed: int) -> Path:
+    return Path("runs") / f"{arch}-s{seed}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+@app.command()
+@guarded
+def train(
+    arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="architecture (see `cemtool archs`); "
+                                                 "default baseline")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="'grammar' (default), 'pydoc', or a .txt "
+                                                "file / folder of .txt files")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML or JSON config file")] = None,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value "
+                                                      "(repeatable), e.g. train.max_steps=500")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="run directory; default "
+                                                "runs/<arch>-s<seed>-<time>")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="seed of init and batch order (default 0)")] = None,
+    device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")] = "auto",
+    resume: Annotated[Optional[Path], typer.Option(help="continue this killed/interrupted run from its newest "
+                                                   "checkpoint")] = None,
+    force: Annotated[bool, typer.Option(help="if --out already holds a run, move it aside and start anew")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
+) -> None:
+    """Train a language model and write a self-describing run directory."""
+    from cemtool.data.corpus import load_corpus
+    from cemtool.data.tokenizer import load_tokenizer
+    from cemtool.runs import create_run, open_run
+    from cemtool.train import finalize_model_config, pick_device
+    from cemtool.train import train as train_loop
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    quiet = quiet or rank != 0
+    dev = pick_device(device)
+    if resume is not None:
+        if arch or data or config or set_ or seed is not None or out or force:
+            raise typer.BadParameter("--resume continues a run as configured; it takes no other config options",
+                                     param_hint="--resume")
+        run = open_run(resume, lock=rank == 0)
+        meta = run.meta()
+        if meta.get("status") == "completed":
+            raise CemtoolError(f"run {resume} is already completed")
+        cfg = run.config()
+        corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(run.path / "tokenizer.json"))
+        if rank == 0:
+            run.update_meta(status="running", resumed=meta.get("resumed", 0) + 1, device=str(dev))
+        writer = run if rank == 0 else None
+    else:
+        cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
+        if world > 1 and out is None:
+            raise CemtoolError("under torchrun give --out so that every process agrees on the run directory")
+        out = out or default_out(cfg.model.arch, cfg.seed)
+        corpus = load_corpus(cfg.data)
+        cfg = finalize_model_config(cfg, corpus)
+        writer = None
+        if rank == 0:
+            writer = create_run(out, cfg, force=force, argv=sys.argv, device=str(dev),
+                                extra_meta={"corpus": corpus.info, "world_size": world})
+            corpus.tokenizer.save(writer.path / "tokenizer.json")
+            console.info(f"run directory: {writer.path}", quiet)
+    try:
+        with ProgressReporter(quiet) as rep:
+            res = train_loop(cfg, corpus, writer, device=dev, resume=resume is not None, callback=rep)
+    finally:
+        if writer is not None:
+            writer.unlock()
+    if rank != 0:
+        return
+    summary = {"run": str(writer.path), "status": res.status, "step": res.step, "tokens": res.tokens,
+               "val_loss": res.val_loss, "val_floor": res.val_floor,
+               "gap": None if res.val_floor is None or res.val_loss is None else res.val_loss - res.val_floor,
+               "seconds": round(res.seconds, 2)}
+    if json_:
+        console.print_json(summary)
+    else:
+        gap = f", floor {res.val_floor:.4f}, gap {summary['gap']:+.4f}" if res.val_floor is not None else ""
+        vl = f"{res.val_loss:.4f}" if res.val_loss is not None else "n/a"
+        console.result(f"{res.status}: {writer.path}  step {res.step}  val loss {vl}{gap}  "
+                       f"({res.seconds:.1f} s)")
+    if res.status == "interrupted":
+        raise typer.Exit(130)

@@ -1,0 +1,98 @@
+"""Tokenizers: word-level (grammar corpus), byte-level (256 ids) and byte-level BPE trained locally.
+
+All three are Hugging Face ``tokenizers`` objects, so a run stores one ``tokenizer.json`` (plain JSON, no code)
+that every analysis reloads with :func:`load_tokenizer`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from cemtool.errors import CemtoolError
+
+
+class Tokenizer:
+    """A thin wrapper with the few operations cemtool needs."""
+
+    def __init__(self, hf: HFTokenizer, kind: str):
+        self.hf = hf
+        self.kind = kind  # "word" | "byte" | "bpe"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a whole word (word-level) or of a text that encodes to exactly one token, else None."""
+        if self.kind == "word":
+            return self.hf.token_to_id(token)
+        ids = self.encode(token)
+        return ids[0] if len(ids) == 1 else None
+
+    def id_to_token(self, i: int) -> str:
+        return self.decode([i]) if self.kind != "word" else self.hf.id_to_token(i)
+
+    def to_json(self) -> str:
+        return json.dumps({"cemtool_kind": self.kind, "tokenizer": json.loads(self.hf.to_str())})
+
+    def save(self, path: str | Path) -> None:
+        from cemtool.runs import atomic_write_text
+
+        atomic_write_text(Path(path), self.to_json())
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        return Tokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])), data["cemtool_kind"])
+    except FileNotFoundError:
+        raise CemtoolError(f"tokenizer file {p} is missing") from None
+    except (ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises plain Exception
+        raise CemtoolError(f"tokenizer file {p} is corrupt: {str(e).splitlines()[0][:200]}") from None
+
+
+def word_tokenizer(vocab: list[str]) -> Tokenizer:
+    """Whitespace-separated words with fixed ids (the grammar corpus's own vocabulary)."""
+    hf = HFTokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    return Tokenizer(hf, "word")
+
+
+def _byte_level(vocab: dict[str, int], merges: list) -> HFTokenizer:
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def byte_tokenizer() -> Tokenizer:
+    """One id per UTF-8 byte (256 ids), lossless on any text."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    return Tokenizer(_byte_level({c: i for i, c in enumerate(alphabet)}, []), "byte")
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
+    """Byte-level BPE trained locally on an iterator of text chunks (lossless: the 256 bytes are in the vocab)."""
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    hf.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False, special_tokens=[])
+    hf.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(hf, "bpe")

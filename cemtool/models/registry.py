@@ -1,0 +1,65 @@
+"""The registry of architectures: name -> family, builder and preset.
+
+A preset is a partial config dict applied before the user's config file and --set overrides, e.g.
+``{"model": {"cem": {"steps": 2}}}`` for ``cem-rec2``. Family modules register themselves on import;
+:data:`FAMILY_MODULES` lists them so the registry is complete whenever it is consulted.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cemtool.errors import CemtoolError
+
+FAMILY_MODULES = ["cemtool.models.baseline", "cemtool.models.cem", "cemtool.models.momentum",
+                  "cemtool.models.lime"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    name: str
+    family: str
+    build: Callable  # ModelConfig -> LM
+    preset: dict = field(default_factory=dict)
+    description: str = ""
+
+
+_ARCHS: dict[str, ArchSpec] = {}
+_loaded = False
+
+
+def register(name: str, family: str, build: Callable, preset: dict | None = None, description: str = "") -> None:
+    if name in _ARCHS and _ARCHS[name].build is not build:
+        raise ValueError(f"architecture {name!r} registered twice")
+    _ARCHS[name] = ArchSpec(name, family, build, preset or {}, description)
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for mod in FAMILY_MODULES:
+            try:
+                importlib.import_module(mod)
+            except ModuleNotFoundError as e:  # a family still being written
+                if e.name != mod:
+                    raise
+
+
+def archs() -> dict[str, ArchSpec]:
+    _load()
+    return dict(_ARCHS)
+
+
+def get_arch(name: str) -> ArchSpec:
+    _load()
+    if name not in _ARCHS:
+        raise CemtoolError(f"unknown architecture {name!r}", hint=f"known: {', '.join(sorted(_ARCHS))}")
+    return _ARCHS[name]
+
+
+def build_model(cfg):
+    """Instantiate the LM for a resolved ModelConfig (vocab_size and max_seq_len set)."""
+    return get_arch(cfg.arch).build(cfg)

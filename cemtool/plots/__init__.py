@@ -1,0 +1,1 @@
+"""Figures from saved reports (never recomputes, never imports models). One module per analysis."""

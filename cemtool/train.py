@@ -1,0 +1,348 @@
+"""The training loop: a function that takes configs and a run and reports progress through a callback.
+
+AdamW with named parameter groups (decay / no_decay / any group a family declares, each with its own
+learning-rate multiplier), warmup then cosine / constant / warmup-stable-decay, gradient clipping and
+accumulation, evaluation on fixed validation windows beside the corpus's entropy floor, safetensors checkpoints
+that resume bit-exactly on the CPU, and DistributedDataParallel under ``torchrun`` (rank 0 alone writes).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cemtool.config import RunConfig, TrainConfig
+from cemtool.data.corpus import Corpus, batch_starts, windows
+from cemtool.errors import CemtoolError
+from cemtool.models.lm import lm_loss
+from cemtool.models.registry import build_model
+from cemtool.runs import Run, find_checkpoint, manifest, read_checkpoint, save_checkpoint, step_checkpoints
+
+Callback = Callable[[dict], None]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# devices and distribution
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    """'auto' (or None): cuda > mps > cpu."""
+    if device in (None, "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise CemtoolError(f"unknown device {device!r}", hint="use auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise CemtoolError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise CemtoolError(f"device {device!r} requested but MPS is not available")
+    return dev
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: torch.device) -> Dist:
+    """Join the torchrun process group if WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return Dist()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size())
+
+
+def autocast_for(device: torch.device, precision: str):
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# optimizer and schedule
+
+
+def param_groups(model: torch.nn.Module, tc: TrainConfig) -> list[dict]:
+    """Named AdamW groups. Matrices of Linear layers decay; norms, biases, scalars and embeddings do not.
+    A family may tag a parameter with ``p.opt_group = "name"`` and ``p.lr_mult = x`` (e.g. LIMe's routers)."""
+    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    groups: dict[str, dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        default = "decay" if (p.dim() >= 2 and id(p) not in emb_ids) else "no_decay"
+        g = getattr(p, "opt_group", default)
+        lr_mult = float(getattr(p, "lr_mult", 1.0))
+        wd = tc.weight_decay if g == "decay" else float(getattr(p, "weight_decay", 0.0))
+        entry = groups.setdefault(g, {"name": g, "params": [], "param_names": [], "lr_mult": lr_mult,
+                                      "weight_decay": wd})
+        entry["params"].append(p)
+        entry["param_names"].append(name)
+    return list(groups.values())
+
+
+def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    groups = param_groups(model, tc)
+    for g in groups:
+        g["lr"] = tc.lr * g["lr_mult"]
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=fused)
+
+
+def lr_at(step: int, total: int, tc: TrainConfig) -> float:
+    """Learning rate at optimizer step ``step`` (0-based) of ``total``."""
+    if tc.warmup_steps and step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    lo = tc.lr * tc.min_lr_ratio
+    if tc.schedule == "constant":
+        return tc.lr
+    if tc.schedule == "cosine":
+        span = max(1, total - tc.warmup_steps)
+        t = min(1.0, (step - tc.warmup_steps) / span)
+        return lo + 0.5 * (tc.lr - lo) * (1 + math.cos(math.pi * t))
+    decay_start = int(total * (1 - tc.decay_fraction))  # wsd
+    if step < decay_start:
+        return tc.lr
+    t = (step - decay_start) / max(1, total - decay_start)
+    return tc.lr + (lo - tc.lr) * t
+
+
+def total_steps(cfg: RunConfig) -> int:
+    tc = cfg.train
+    if tc.max_tokens:
+        per_step = tc.batch_size * tc.grad_accum * cfg.data.seq_len
+        return max(1, math.ceil(tc.max_tokens / per_step))
+    return tc.max_steps
+
+
+# --------------------------------------------------------------------------------------------------------------
+# evaluation
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, corpus: Corpus, starts: np.ndarray, seq_len: int, device: torch.device,
+             batch_size: int = 32, precision: str = "auto") -> float:
+    """Mean token loss (nats) over fixed validation windows."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(starts), batch_size):
+        x, y = windows(corpus.val, starts[i:i + batch_size], seq_len)
+        x, y = x.to(device), y.to(device)
+        with autocast_for(device, precision):
+            logits = model(x)
+        total += float(lm_loss(logits, y, reduction="sum"))
+        count += y.numel()
+    model.train(was)
+    return total / count
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclass
+class TrainResult:
+    status: str
+    step: int
+    tokens: int
+    val_loss: float | None
+    val_floor: float | None
+    seconds: float
+
+
+class NonFiniteLoss(CemtoolError):
+    pass
+
+
+def _emit(cb: Callback | None, **event) -> None:
+    if cb is not None:
+        cb(event)
+
+
+def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torch.device | None = None,
+          resume: bool = False, callback: Callback | None = None, stop_after: int | None = None) -> TrainResult:
+    """Train ``cfg`` on ``corpus``, writing into ``run`` (rank 0 only; None writes nothing).
+
+    resume: continue from the run's newest step checkpoint. stop_after: stop (as if killed) after that many
+    optimizer steps of this call; used by tests. Events passed to ``callback``: start, step, eval, checkpoint, end.
+    """
+    tc, T = cfg.train, cfg.data.seq_len
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    dd = init_distributed(dev)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    if tc.batch_size % dd.world:
+        raise CemtoolError(f"train.batch_size={tc.batch_size} is not divisible by the {dd.world} processes")
+    writer = run if dd.main else None
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model).to(dev)
+    opt = make_optimizer(model, tc, dev)
+    steps_total = total_steps(cfg)
+    step, tokens_seen = 0, 0
+    if resume and run is not None:
+        step, tokens_seen = _restore(run, model, opt)
+        if writer is not None:
+            writer.truncate_metrics(step)
+    fwd = model
+    if tc.compile:
+        fwd = torch.compile(model)
+    if dd.world > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        fwd = DDP(fwd, device_ids=[dev.index] if dev.type == "cuda" else None)
+    eval_starts = corpus.eval_windows(T, tc.eval_tokens)
+    floor = corpus.floor(eval_starts, T)
+    params = model.num_params()
+    per_rank = tc.batch_size // dd.world
+    tokens_per_step = tc.batch_size * tc.grad_accum * T
+    _emit(callback, kind="start", step=step, total=steps_total, params=params, device=str(dev),
+          world=dd.world, floor=floor, entropy_rate=corpus.entropy_rate, eval_tokens=len(eval_starts) * T)
+
+    t0 = time.perf_counter()
+    t_log, tok_log = t0, 0
+    val_loss: float | None = None
+    status = "completed"
+    done_here = 0
+    model.train()
+    try:
+        while step < steps_total:
+            lr = lr_at(step, steps_total, tc)
+            for g in opt.param_groups:
+                g["lr"] = lr * g["lr_mult"]
+            loss_sum = torch.zeros((), device=dev)
+            for micro in range(tc.grad_accum):
+                starts = batch_starts(corpus, T, tc.batch_size, cfg.seed, step, micro)
+                starts = starts[dd.rank * per_rank:(dd.rank + 1) * per_rank]
+                x, y = windows(corpus.train, starts, T)
+                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                sync = (micro == tc.grad_accum - 1) or dd.world == 1
+                ctx = nullcontext() if sync else fwd.no_sync()
+                with ctx:
+                    with autocast_for(dev, tc.precision):
+                        loss = lm_loss(fwd(x), y)
+                    (loss / tc.grad_accum).backward()
+                loss_sum += loss.detach()
+            train_loss = loss_sum / tc.grad_accum
+            if dd.world > 1:
+                dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
+            loss_value = float(train_loss)
+            if not math.isfinite(loss_value):
+                raise NonFiniteLoss(f"training loss became {loss_value} at step {step}",
+                                    hint="lower train.lr or raise train.warmup_steps; the last good checkpoint "
+                                         "is kept")
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
+                                                   else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            step += 1
+            done_here += 1
+            tokens_seen += tokens_per_step
+            tok_log += tokens_per_step
+            now = time.perf_counter()
+            if step % tc.log_every == 0 or step == steps_total:
+                row = {"step": step, "tokens": tokens_seen, "train_loss": loss_value, "lr": lr,
+                       "grad_norm": float(gnorm), "tokens_per_s": tok_log / max(now - t_log, 1e-9),
+                       "elapsed_s": now - t0}
+                t_log, tok_log = now, 0
+                if writer is not None:
+                    writer.append_metrics(row)
+            _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
+                  tokens=tokens_seen)
+            if step % tc.eval_every == 0 or step == steps_total:
+                val_loss = evaluate(model, corpus, eval_starts, T, dev, precision=tc.precision)
+                row = {"step": step, "tokens": tokens_seen, "val_loss": val_loss, "val_floor": floor,
+                       "val_gap": None if floor is None else val_loss - floor, "elapsed_s": time.perf_counter() - t0}
+                if writer is not None:
+                    writer.append_metrics(row)
+                _emit(callback, kind="eval", **row)
+            ckpt_every = tc.ckpt_every or tc.eval_every
+            if writer is not None and (step % ckpt_every == 0) and step < steps_total:
+                _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints)
+                _emit(callback, kind="checkpoint", step=step)
+            if stop_after is not None and done_here >= stop_after and step < steps_total:
+                status = "interrupted"
+                break
+    except KeyboardInterrupt:
+        status = "interrupted"
+    except NonFiniteLoss:
+        if writer is not None:
+            writer.update_meta(status="failed", ended=_now(), step=step, error="non-finite loss")
+        raise
+    except torch.OutOfMemoryError:
+        if writer is not None:
+            writer.update_meta(status="failed", ended=_now(), step=step, error="out of memory")
+        raise CemtoolError(f"out of memory on {dev} (batch_size={tc.batch_size}, seq_len={T}, "
+                           f"d_model={cfg.model.d_model})",
+                           hint="shrink train.batch_size (use train.grad_accum to keep the batch), data.seq_len "
+                                "or the model") from None
+    seconds = time.perf_counter() - t0
+    if writer is not None:
+        if status == "completed":
+            save_checkpoint(writer, "final", model, step=step, optimizer=None,
+                            state={"tokens": tokens_seen, "val_loss": val_loss})
+        writer.update_meta(status=status, ended=_now(), step=step, tokens=tokens_seen, val_loss=val_loss,
+                           val_floor=floor, entropy_rate=corpus.entropy_rate, params=params,
+                           train_seconds=seconds, world_size=dd.world)
+    _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
+    return TrainResult(status, step, tokens_seen, val_loss, floor, seconds)
+
+
+def _now() -> str:
+    from cemtool.runs import now
+
+    return now()
+
+
+def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int) -> None:
+    save_checkpoint(run, f"step_{step:06d}", model, step=step, optimizer=opt, state={"tokens": tokens})
+    old = step_checkpoints(run)[:-keep]
+    for p in old:
+        p.unlink(missing_ok=True)
+    run.update_meta(step=step, last_checkpoint=f"step_{step:06d}")
+
+
+def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
+    steps = step_checkpoints(run)
+    if not steps:
+        return 0, 0
+    ckpt = read_checkpoint(find_checkpoint(run, "latest"), manifest(run))
+    from cemtool.runs import load_weights
+
+    load_weights(model, ckpt)
+    state = ckpt.optimizer_state()
+    if state is not None:
+        opt.load_state_dict(state)
+    if "rng.torch" in ckpt.tensors:
+        torch.set_rng_state(ckpt.tensors["rng.torch"])
+    return ckpt.step, int(ckpt.header.get("state", {}).get("tokens", 0))
+
+
+def finalize_model_config(cfg: RunConfig, corpus: Corpus) -> RunConfig:
+    """Fill the fields that depend on the data: vocabulary size and maximum sequence length."""
+    m = cfg.model
+    vocab = corpus.tokenizer.vocab_size
+    if m.vocab_size and m.vocab_size < vocab:
+        raise CemtoolError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab}")
+    m = replace(m, vocab_size=m.vocab_size or vocab, max_seq_len=m.max_seq_len or cfg.data.seq_len)
+    return replace(cfg, model=m)
