@@ -285,7 +285,9 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
         return {"__tensor__": key}
     if isinstance(obj, dict):
         return {"__dict__": [[_key(k), _flatten(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
         return [_flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
     return obj
 
@@ -297,6 +299,8 @@ def _key(k: Any) -> Any:
 def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, dict) and "__tensor__" in obj:
         return tensors[obj["__tensor__"]]
+    if isinstance(obj, dict) and "__tuple__" in obj:
+        return tuple(_unflatten(v, tensors) for v in obj["__tuple__"])
     if isinstance(obj, dict) and "__dict__" in obj:
         return {(k["__int__"] if isinstance(k, dict) else k): _unflatten(v, tensors) for k, v in obj["__dict__"]}
     if isinstance(obj, list):

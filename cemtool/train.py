@@ -248,7 +248,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                 dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
             loss_value = float(train_loss)
             if not math.isfinite(loss_value):
-                raise NonFiniteLoss(f"training loss became {loss_value} at step {step}",
+                raise NonFiniteLoss(f"training loss became {loss_value} at step {step + 1}",
                                     hint="lower train.lr or raise train.warmup_steps; the last good checkpoint "
                                          "is kept")
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0

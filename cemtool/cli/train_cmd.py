@@ -34,6 +34,8 @@ class ProgressReporter:
         self.bar.__exit__(*exc)
 
     def __call__(self, ev: dict) -> None:
+        if self.quiet:
+            return
         kind = ev["kind"]
         if kind == "start":
             self.floor = ev.get("floor")

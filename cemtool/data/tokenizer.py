@@ -81,10 +81,25 @@ def _byte_level(vocab: dict[str, int], merges: list) -> HFTokenizer:
     return hf
 
 
+def byte_symbols() -> list[str]:
+    """The printable character the byte-level pre-tokenizer uses for each byte 0..255 (the GPT-2 convention:
+    printable Latin-1 bytes stand for themselves, the others are shifted to code points 256 and up)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
 def byte_tokenizer() -> Tokenizer:
-    """One id per UTF-8 byte (256 ids), lossless on any text."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    return Tokenizer(_byte_level({c: i for i, c in enumerate(alphabet)}, []), "byte")
+    """One id per UTF-8 byte, id == byte value (256 ids), lossless on any text."""
+    symbols = byte_symbols()
+    assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet())
+    return Tokenizer(_byte_level({c: i for i, c in enumerate(symbols)}, []), "byte")
 
 
 def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:

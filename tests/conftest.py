@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny real runs trained in seconds (no network, nothing from ../shared)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+TINY = ["model.n_layer=2", "model.d_model=32", "model.n_head=2", "data.seq_len=16", "train.batch_size=8",
+        "train.max_steps=30", "train.eval_every=10", "train.eval_tokens=512", "train.log_every=5",
+        "train.warmup_steps=5", "train.lr=3e-3", "data.train_tokens=20000", "data.val_tokens=4000"]
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Is it? Are they? Was it? Were they?\n") * 120
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory) -> str:
+    """A small UTF-8 text corpus written to a temporary file."""
+    p = tmp_path_factory.mktemp("text") / "corpus.txt"
+    p.write_text(TEXT, encoding="utf-8")
+    return str(p)
+
+
+def train_tiny(out, arch: str = "baseline", data: str | None = None, extra: list[str] | None = None) -> str:
+    """Train a tiny run through the CLI (in-process) and return its directory."""
+    from typer.testing import CliRunner
+
+    from cemtool.cli.main import app
+
+    args = ["train", "--arch", arch, "--out", str(out), "--quiet", "--device", "cpu"]
+    if data:
+        args += ["--data", data]
+    for s in TINY + (extra or []):
+        args += ["--set", s]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, text_file) -> str:
+    """A completed tiny baseline run on a byte-tokenized text file (session-scoped; treat as read-only)."""
+    return train_tiny(tmp_path_factory.mktemp("runs") / "tiny", data=text_file,
+                      extra=["data.tokenizer=byte", "data.val_fraction=0.1"])

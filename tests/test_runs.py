@@ -1,0 +1,113 @@
+"""Run directories: checkpoints round trip, corruption, pickle refusal, locking, listing."""
+
+import json
+import pickle
+
+import pytest
+import torch
+
+from cemtool.errors import CemtoolError
+from cemtool.runs import (Run, create_run, find_checkpoint, list_runs, load_run, load_weights, open_run,
+                          read_checkpoint, save_checkpoint)
+
+
+def test_load_run_gives_model_config_tokenizer(tiny_run):
+    lr = load_run(tiny_run)
+    assert lr.config.model.arch == "baseline" and lr.tokenizer.vocab_size == 256
+    assert not lr.model.training
+    idx = torch.tensor([lr.tokenizer.encode("The quick fox")])
+    assert lr.model(idx).shape == (1, idx.shape[1], 256)
+    meta = json.loads((lr.run.path / "meta.json").read_text())
+    assert meta["status"] == "completed" and "torch" in meta["versions"] and meta["argv"]
+
+
+def test_checkpoint_round_trip_with_optimizer(tiny_run, tmp_path):
+    lr = load_run(tiny_run)
+    model = lr.model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    run = Run(tmp_path)
+    save_checkpoint(run, "step_000001", model, step=1, optimizer=opt, state={"tokens": 7})
+    ck = read_checkpoint(tmp_path / "checkpoints" / "step_000001.safetensors")
+    assert ck.step == 1 and ck.header["state"]["tokens"] == 7
+    for k, v in model.state_dict().items():
+        assert torch.equal(ck.weights[k], v)
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt2.load_state_dict(ck.optimizer_state())
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    for i in s1["state"]:
+        for key in s1["state"][i]:
+            assert torch.equal(s1["state"][i][key], s2["state"][i][key])
+    assert s1["param_groups"] == s2["param_groups"]
+
+
+def test_truncated_and_corrupted_checkpoints(tiny_run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "r"
+    shutil.copytree(tiny_run, run_dir)
+    final = run_dir / "checkpoints" / "final.safetensors"
+    data = final.read_bytes()
+    final.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CemtoolError, match="corrupted"):
+        load_run(run_dir)
+    flipped = bytearray(data)
+    flipped[-10] ^= 0xFF
+    final.write_bytes(bytes(flipped))
+    with pytest.raises(CemtoolError, match="checksum"):
+        load_run(run_dir)
+    assert (run_dir / "config.json").exists()  # nothing else touched
+
+
+def test_pickle_is_never_unpickled(tmp_path, monkeypatch):
+    evil = tmp_path / "evil.safetensors"
+    evil.write_bytes(pickle.dumps({"x": 1}))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+    with pytest.raises(CemtoolError, match="never unpickles"):
+        read_checkpoint(evil)
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    with pytest.raises(CemtoolError, match="never unpickles"):
+        read_checkpoint(pt)
+
+
+def test_lock_excludes_second_writer(tmp_path):
+    from cemtool.config import resolve
+
+    run = create_run(tmp_path / "r", resolve())
+    with pytest.raises(CemtoolError, match="in use"):
+        open_run(tmp_path / "r", lock=True)
+    run.unlock()
+    open_run(tmp_path / "r", lock=True).unlock()
+
+
+def test_existing_run_refused_and_force_moves_aside(tmp_path):
+    from cemtool.config import resolve
+
+    create_run(tmp_path / "r", resolve()).unlock()
+    (tmp_path / "r" / "keep.txt").write_text("precious")
+    with pytest.raises(CemtoolError, match="already holds a run"):
+        create_run(tmp_path / "r", resolve())
+    create_run(tmp_path / "r", resolve(), force=True).unlock()
+    moved = [p for p in tmp_path.iterdir() if p.name.startswith("r.replaced-")]
+    assert len(moved) == 1 and (moved[0] / "keep.txt").read_text() == "precious"
+
+
+def test_list_runs_and_checkpoint_lookup(tiny_run):
+    rows = list_runs(tiny_run)
+    assert rows[0]["status"] == "completed" and rows[0]["val_loss"] > 0
+    run = open_run(tiny_run)
+    assert find_checkpoint(run, "latest").name.startswith("step_")
+    with pytest.raises(CemtoolError, match="does not exist"):
+        find_checkpoint(run, 999999)
+
+
+def test_weights_that_do_not_fit(tiny_run, tmp_path):
+    from cemtool.config import replace
+    from cemtool.models import build_model
+
+    lr = load_run(tiny_run)
+    other = build_model(replace(lr.config.model, d_model=48, n_head=2))
+    with pytest.raises(CemtoolError, match="does not fit"):
+        load_weights(other, read_checkpoint(lr.checkpoint))

@@ -1,0 +1,160 @@
+"""The training loop: schedules, groups, determinism, kill-and-resume bit-exactness, DDP equivalence, NaN stop."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cemtool.config import TrainConfig, resolve
+from cemtool.data.corpus import load_corpus
+from cemtool.errors import CemtoolError
+from cemtool.runs import create_run, load_run, open_run
+from cemtool.train import NonFiniteLoss, finalize_model_config, lr_at, make_optimizer, train
+
+from conftest import TINY
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def cli(*args, check=True, **kw):
+    return subprocess.run([sys.executable, "-m", "cemtool", *args], env=ENV, capture_output=True, text=True,
+                          check=check, **kw)
+
+
+def sets(extra=()):
+    out = []
+    for s in [*TINY, "data.tokenizer=byte", *extra]:
+        out += ["--set", s]
+    return out
+
+
+def metrics(run):
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run):
+    return [(m["step"], m["train_loss"]) for m in metrics(run) if "train_loss" in m]
+
+
+def test_schedules():
+    tc = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
+    assert lr_at(0, 100, tc) == pytest.approx(0.1) and lr_at(9, 100, tc) == pytest.approx(1.0)
+    assert lr_at(100, 100, tc) == pytest.approx(0.1)
+    assert lr_at(55, 100, tc) == pytest.approx(0.55)
+    wsd = TrainConfig(lr=1.0, warmup_steps=0, min_lr_ratio=0.0, schedule="wsd", decay_fraction=0.2)
+    assert lr_at(79, 100, wsd) == 1.0 and lr_at(90, 100, wsd) == pytest.approx(0.5)
+    assert lr_at(50, 100, TrainConfig(lr=2.0, warmup_steps=0, schedule="constant")) == 2.0
+
+
+def test_param_groups_decay_and_custom(tiny_run):
+    model = load_run(tiny_run).model
+    model.blocks[0].ln1.weight.opt_group = "router"
+    model.blocks[0].ln1.weight.lr_mult = 10.0
+    opt = make_optimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1), torch.device("cpu"))
+    groups = {g["name"]: g for g in opt.param_groups}
+    assert set(groups) == {"decay", "no_decay", "router"}
+    assert groups["router"]["lr"] == pytest.approx(1e-2) and groups["router"]["weight_decay"] == 0.0
+    assert "tok_emb.weight" in groups["no_decay"]["param_names"]
+    assert all(n.endswith("weight") and ".ln" not in n for n in groups["decay"]["param_names"])
+    del model.blocks[0].ln1.weight.opt_group
+
+
+def test_same_seed_identical_metrics(tmp_path, text_file):
+    a = cli("train", "--data", text_file, "--out", str(tmp_path / "a"), "--quiet", *sets())
+    b = cli("train", "--data", text_file, "--out", str(tmp_path / "b"), "--quiet", *sets())
+    assert a.returncode == b.returncode == 0
+    strip = lambda ms: [{k: v for k, v in m.items() if k not in ("tokens_per_s", "elapsed_s")} for m in ms]  # noqa
+    assert strip(metrics(tmp_path / "a")) == strip(metrics(tmp_path / "b"))
+    c = cli("train", "--data", text_file, "--out", str(tmp_path / "c"), "--quiet", "--seed", "1", *sets())
+    assert c.returncode == 0 and losses(tmp_path / "c") != losses(tmp_path / "a")
+
+
+def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
+    """SIGKILL a real training process after its first checkpoint, resume it, compare with an uninterrupted run."""
+    extra = ["train.max_steps=300", "train.eval_every=100", "train.ckpt_every=20", "train.log_every=10"]
+    ref = tmp_path / "ref"
+    cli("train", "--data", text_file, "--out", str(ref), "--quiet", *sets(extra))
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(killed),
+                             "--quiet", *sets(extra)], env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list((killed / "checkpoints").glob("step_*.safetensors")) and time.time() < deadline:
+        if proc.poll() is not None:
+            break
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    assert not (killed / "checkpoints" / "final.safetensors").exists()
+    assert json.loads((killed / "meta.json").read_text())["status"] == "running"
+    res = cli("train", "--resume", str(killed), "--quiet")
+    assert res.returncode == 0, res.stderr
+    a = load_file(str(ref / "checkpoints" / "final.safetensors"))
+    b = load_file(str(killed / "checkpoints" / "final.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert losses(ref) == losses(killed)
+    meta = json.loads((killed / "meta.json").read_text())
+    assert meta["status"] == "completed" and meta["resumed"] == 1
+    # resuming a completed run is refused, and leaves it as it was
+    again = cli("train", "--resume", str(killed), "--quiet", check=False)
+    assert again.returncode == 1 and "already completed" in again.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ddp_two_processes_match_one(tmp_path, text_file):
+    one = tmp_path / "one"
+    cli("train", "--data", text_file, "--out", str(one), "--quiet", *sets())
+    two = tmp_path / "two"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "cemtool", "train", "--data", text_file, "--out", str(two),
+                          "--quiet", *sets()], env=ENV, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((two / "meta.json").read_text())["world_size"] == 2
+    l1, l2 = losses(one), losses(two)
+    assert [s for s, _ in l1] == [s for s, _ in l2]
+    for (_, a), (_, b) in zip(l1, l2):
+        assert abs(a - b) < 1e-4 * abs(a)
+    w1 = load_file(str(one / "checkpoints" / "final.safetensors"))
+    w2 = load_file(str(two / "checkpoints" / "final.safetensors"))
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-4) for k in w1)
+
+
+def test_non_finite_loss_marks_failed_and_keeps_checkpoint(tmp_path, text_file, monkeypatch):
+    import cemtool.train as tr
+
+    cfg = resolve(overrides=[*TINY, "data.tokenizer=byte", "train.ckpt_every=10"], data_source=text_file)
+    corpus = load_corpus(cfg.data)
+    cfg = finalize_model_config(cfg, corpus)
+    run = create_run(tmp_path / "r", cfg)
+    corpus.tokenizer.save(run.path / "tokenizer.json")
+    real = tr.lm_loss
+    calls = {"n": 0}
+
+    def poisoned(logits, y, reduction="mean"):
+        calls["n"] += 1
+        out = real(logits, y, reduction)
+        return out * float("nan") if calls["n"] > 15 and reduction == "mean" else out
+
+    monkeypatch.setattr(tr, "lm_loss", poisoned)
+    with pytest.raises(NonFiniteLoss, match="became nan at step 15"):
+        train(cfg, corpus, run, device="cpu")
+    run.unlock()
+    meta = open_run(run.path).meta()
+    assert meta["status"] == "failed" and meta["error"] == "non-finite loss"
+    assert load_run(run.path, checkpoint="latest").step == 10
+    with pytest.raises(CemtoolError, match="no final checkpoint"):
+        load_run(run.path)
