@@ -7,7 +7,7 @@ import time as _time
 import torch
 
 from cemtool.config import RunConfig, replace, resolve
-from cemtool.models.allocation import attention_budget
+from cemtool.models.allocation import attention_budget, describe_allocation
 from cemtool.models.lm import flops_per_token, lm_loss
 from cemtool.models.registry import archs, build_model
 
@@ -43,7 +43,9 @@ def arch_row(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq
     n = model.num_params()
     fl = flops_per_token(model, seq_len)
     row = {"arch": arch, "family": spec.family, "params": n["total"], "non_embedding": n["non_embedding"],
-           "attn_budget": attention_budget(cfg.model), "flops_forward": fl["forward"], "flops_train": fl["train"],
+           "attn_budget": attention_budget(cfg.model),
+           "layer_shapes": [f"{s['heads']}x{s['head_dim']}" for s in describe_allocation(cfg.model)["shapes"]],
+           "flops_forward": fl["forward"], "flops_train": fl["train"],
            "n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model}
     if timed:
         row["seconds_per_step"] = seconds_per_step(model, vocab, seq_len)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import typer
+from typer.exceptions import TyperException
 
 from cemtool.cli.console import DEBUG, error_line
 from cemtool.errors import CemtoolError
@@ -19,7 +20,7 @@ def guarded(fn: Callable) -> Callable:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort):
+        except (typer.Exit, typer.Abort, TyperException):  # usage errors: Click's message, exit 2
             raise
         except CemtoolError as e:
             error_line(e)

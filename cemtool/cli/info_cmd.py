@@ -50,12 +50,14 @@ def archs(
     if json_:
         console.print_json(rows)
         return
-    cols = ["arch", "family", "params", "non-emb", "attn budget", "fwd FLOPs/tok", "train FLOPs/tok"]
+    cols = ["arch", "family", "params", "non-emb", "attn budget (heads x d_h per layer)", "fwd FLOPs/tok",
+            "train FLOPs/tok"]
     if time:
         cols.append("s/step")
     body = []
     for r in rows:
-        line = [r["arch"], r["family"], f"{r['params']:,}", f"{r['non_embedding']:,}", r["attn_budget"],
+        line = [r["arch"], r["family"], f"{r['params']:,}", f"{r['non_embedding']:,}",
+                f"{r['attn_budget']} ({' '.join(r['layer_shapes'])})",
                 f"{r['flops_forward']:.3e}", f"{r['flops_train']:.3e}"]
         if time:
             line.append(f"{r['seconds_per_step']:.4f}")

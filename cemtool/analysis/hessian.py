@@ -1,0 +1,700 @@
+"""Curvature of the loss (METHODS §6): Hessian-vector products, Lanczos, Hutchinson/Hutch++ and SLQ.
+
+Everything here works on an *operator*: an object with ``n`` (its dimension), ``hvp(v) -> H v`` and ``device``.
+:class:`Objective` is the operator of a language model: the mean next-token loss over a fixed evaluation set of
+N tokens, as a function of a subset of the parameters. :class:`DenseOperator` wraps an explicit symmetric matrix
+(for tests and for checking the estimators). The estimators are pure functions returning dataclasses:
+
+- :func:`lanczos`  extreme eigenvalues at both ends, with Ritz residuals, error estimates and converged flags,
+- :func:`hutchinson`, :func:`hutch_plus_plus`  tr(H) with a standard error, and tr(H)/n,
+- :func:`slq`  the spectral density by stochastic Lanczos quadrature, Gaussian-smoothed with a reported sigma.
+
+Notation: n = parameters in the subset, N = evaluation tokens, k = requested eigenvalues, m = Lanczos steps.
+The Lanczos recurrences (alpha, beta) and the basis are float64 whatever the HVP dtype.
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from cemtool.errors import CemtoolError
+from cemtool.models.layers import attention_impl
+from cemtool.models.lm import lm_loss
+
+Callback = Callable[[int], None]  # called with the number of units (HVPs, evaluations) done so far
+
+DTYPES = {"fp64": torch.float64, "float64": torch.float64, "fp32": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.float64):
+            raise CemtoolError(f"curvature needs fp32 or fp64, not {dtype}")
+        return dtype
+    if dtype not in DTYPES:
+        raise CemtoolError(f"unknown dtype {dtype!r}", hint="use fp64 or fp32")
+    return DTYPES[dtype]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# parameter subsets
+
+_ATTN_WORDS = {"attn", "attention"}
+_MLP_WORDS = {"mlp", "ffn"}
+_EMBED_WORDS = {"emb", "embed", "embedding", "head"}
+
+
+def _has_word(name: str, words: set[str]) -> bool:
+    """Does a dotted name have a component, or an '_'-separated word of one, in ``words``?"""
+    return any(w in words for part in name.split(".") for w in part.split("_"))
+
+
+def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn.Parameter]]:
+    """The parameters a curvature measurement is restricted to (shared tensors once, in model order).
+
+    ``spec`` is a comma-separated union of: ``all``; ``layer:N`` (``blocks.N.*``); ``attn`` / ``mlp`` /
+    ``embed`` (every parameter with that word in its dotted name: ``blocks.N.attn.*``, ``ln_attn``,
+    ``attn_step``...; ``tok_emb``, ``head``...); or a glob on the names (``blocks.*.mlp.up.weight``).
+    """
+    named = list(model.named_parameters())  # shared parameters appear once
+    chosen: set[str] = set()
+    for part in [s.strip() for s in spec.split(",") if s.strip()] or [""]:
+        if part == "all":
+            hit = {n for n, _ in named}
+        elif part.startswith("layer:"):
+            idx = part[len("layer:"):]
+            if not idx.isdigit():
+                raise CemtoolError(f"bad parameter selection {part!r}", hint="use layer:N with N an integer")
+            hit = {n for n, _ in named if n.startswith(f"blocks.{int(idx)}.")}
+            if not hit:
+                layers = sorted({int(m.group(1)) for n, _ in named if (m := re.match(r"blocks\.(\d+)\.", n))})
+                raise CemtoolError(f"parameter selection {part!r}: the model has no layer {idx}",
+                                   hint=f"layers are {layers[0]}..{layers[-1]}" if layers else None)
+        elif part in ("attn", "mlp", "embed"):
+            words = {"attn": _ATTN_WORDS, "mlp": _MLP_WORDS, "embed": _EMBED_WORDS}[part]
+            hit = {n for n, _ in named if _has_word(n, words)}
+        else:
+            hit = {n for n, _ in named if fnmatch.fnmatchcase(n, part)}
+        if not hit:
+            example = named[min(1, len(named) - 1)][0] if named else "?"
+            raise CemtoolError(f"parameter selection {part!r} matches no parameter of the model",
+                               hint=f"use all, layer:N, attn, mlp, embed or a glob on names like {example}")
+        chosen |= hit
+    return [(n, p) for n, p in named if n in chosen]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes the process can still allocate on ``device`` (None if unknown)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def memory_estimate(n_model: int, n_subset: int, dtype: torch.dtype, vectors: int) -> int:
+    """Bytes for a curvature run, activations aside: a converted copy of the model, its gradient (with graph)
+    and one HVP (3 x params x itemsize) plus ``vectors`` float64 basis vectors of the subset."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return 3 * n_model * item + (vectors + 4) * n_subset * 8
+
+
+def check_memory(model: nn.Module, n_subset: int, dtype: torch.dtype, device: torch.device, vectors: int) -> None:
+    n_model = sum(p.numel() for p in model.parameters())
+    need = memory_estimate(n_model, n_subset, dtype, vectors)
+    have = available_memory(device)
+    if have is not None and need > 0.8 * have:
+        name = "fp64" if dtype == torch.float64 else "fp32"
+        raise CemtoolError(f"model too large for {device.type} memory at {name}: about {need / 2**30:.2f} GiB "
+                           f"needed for {n_model:,} parameters and {vectors} Lanczos vectors, "
+                           f"{have / 2**30:.2f} GiB available",
+                           hint="use --dtype fp32, restrict --params (e.g. layer:0), or lower --lanczos-steps")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# operators
+
+
+class DenseOperator:
+    """An explicit symmetric matrix as an operator (ground truth for tests)."""
+
+    def __init__(self, matrix: torch.Tensor):
+        self.matrix = matrix.to(torch.float64)  # (n, n)
+        self.n = matrix.shape[0]
+        self.device = matrix.device
+        self.dtype = torch.float64
+        self.hvps = 0
+
+    def hvp(self, v: torch.Tensor) -> torch.Tensor:
+        self.hvps += 1
+        return self.matrix @ v.to(torch.float64)  # (n,)
+
+
+class Objective:
+    """The mean token loss L(w) over a fixed evaluation set, as a function of a parameter subset w (METHODS §6).
+
+    L(w) = (1/N) sum over all N target tokens of -log p(token), evaluated in batches of ``batch_size``
+    sequences (each batch weighted by its tokens), with the model in eval mode, every attention core on the
+    explicit-softmax path (fused kernels have no double backward) and autocast off. ``dtype`` fp64 works on a
+    converted copy of the model; fp32 on a model already in fp32 uses the model itself and restores its
+    mode and ``requires_grad`` flags in :meth:`close`. Parameter shifts (:meth:`shifted`) are undone exactly.
+
+    ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
+    again for every HVP ('auto': as many batches as fit in a quarter of the free memory; True: all; False: none).
+    Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: str = "all",
+                 dtype: str | torch.dtype = "fp64", device: str | torch.device | None = None,
+                 batch_size: int | None = None, keep_graph: bool | str = "auto", vectors: int = 0,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss):
+        self.dtype = resolve_dtype(dtype)
+        first = next(iter(model.parameters()), None)
+        if first is None:
+            raise CemtoolError("the model has no parameters")
+        self.device = torch.device(device) if device is not None else first.device
+        if x.ndim != 2 or x.shape != y.shape:
+            raise CemtoolError(f"evaluation inputs and targets must both be (sequences, tokens), got "
+                               f"{tuple(x.shape)} and {tuple(y.shape)}")
+        if y.numel() == 0:
+            raise CemtoolError("the evaluation set has zero tokens", hint="use --tokens > 0 (at least one window)")
+        self.tokens = int(y.numel())
+        self.loss_fn = loss_fn
+        self.names = [n for n, _ in select_parameters(model, params)]  # validate before copying anything
+        n_sub = sum(p.numel() for n, p in model.named_parameters() if n in set(self.names))
+        check_memory(model, n_sub, self.dtype, self.device, vectors)
+
+        same = first.dtype == self.dtype and first.device == self.device and \
+            all(p.dtype == self.dtype for p in model.parameters())
+        self.model = model if same else copy.deepcopy(model).to(device=self.device, dtype=self.dtype)
+        self._owned = not same
+        self._was_training = model.training
+        self._requires_grad = {id(p): p.requires_grad for p in self.model.parameters()}
+        self.model.eval()
+        wanted = set(self.names)
+        self.params = [p for n, p in self.model.named_parameters() if n in wanted]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.shapes = [p.shape for p in self.params]
+        self.sizes = [p.numel() for p in self.params]
+        self.n = sum(self.sizes)
+
+        seq = x.shape[1]
+        bs = batch_size or max(1, 8192 // seq)
+        self.batch_size = bs
+        self.batches = [(x[i:i + bs].to(self.device), y[i:i + bs].to(self.device)) for i in range(0, len(x), bs)]
+        self.keep_graph = keep_graph
+        self._graphs: list[list[torch.Tensor | None]] | None = None
+        self.hvps = 0  # Hessian-vector products so far
+        self.evaluations = 0  # loss-only passes over the evaluation set
+        self.gradients = 0  # gradient passes over the evaluation set
+        self.closed = False
+
+    # -- plumbing --------------------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Objective:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Drop kept graphs; if the model itself was used, restore its train/eval mode and requires_grad."""
+        if self.closed:
+            return
+        self._graphs = None
+        if not self._owned:
+            for p in self.model.parameters():
+                p.requires_grad_(self._requires_grad.get(id(p), p.requires_grad))
+            self.model.train(self._was_training)
+        self.closed = True
+
+    @contextmanager
+    def _context(self, grad: bool) -> Iterator[None]:
+        """Explicit attention, autocast off, grad mode as asked: all restored on exit."""
+        with ExitStack() as stack:
+            stack.enter_context(attention_impl("explicit"))
+            if self.device.type in ("cpu", "cuda"):
+                stack.enter_context(torch.autocast(device_type=self.device.type, enabled=False))
+            stack.enter_context(torch.enable_grad() if grad else torch.no_grad())
+            yield
+
+    def split(self, v: torch.Tensor) -> list[torch.Tensor]:
+        """Flat (n,) -> one tensor per parameter, in the objective's dtype and device."""
+        v = v.to(device=self.device, dtype=self.dtype)
+        return [t.view(s) for t, s in zip(torch.split(v, self.sizes), self.shapes, strict=True)]
+
+    def flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """One tensor per parameter (None = 0) -> flat (n,) float64."""
+        return torch.cat([torch.zeros(s, dtype=torch.float64, device=self.device) if t is None
+                          else t.detach().reshape(-1).to(torch.float64) for t, s in zip(tensors, self.sizes,
+                                                                                        strict=True)])
+
+    def parameters_vector(self) -> torch.Tensor:
+        """The current parameter subset w, flat (n,) float64."""
+        return self.flat(list(self.params))
+
+    def _batch_loss(self, b: int) -> torch.Tensor:
+        xb, yb = self.batches[b]
+        logits = self.model(xb)  # (B, T, V)
+        return self.loss_fn(logits, yb, reduction="sum") / self.tokens  # this batch's share of the mean
+
+    # -- L, grad L, H v ------------------------------------------------------------------------------------------
+
+    def loss(self) -> float:
+        """L(w): mean token loss over the evaluation set (nats)."""
+        total = 0.0
+        with self._context(grad=False):
+            for b in range(len(self.batches)):
+                total += float(self._batch_loss(b))
+        self.evaluations += 1
+        return total
+
+    def gradient(self) -> tuple[float, torch.Tensor]:
+        """(L(w), grad L(w) flat (n,) float64)."""
+        total, g = 0.0, torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        with self._context(grad=True):
+            for b in range(len(self.batches)):
+                loss = self._batch_loss(b)
+                g += self.flat(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
+                total += float(loss)
+        self.gradients += 1
+        return total, g
+
+    def _first_order_graph(self, b: int) -> list[torch.Tensor | None]:
+        loss = self._batch_loss(b)
+        return list(torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True))
+
+    def _plan_graphs(self) -> int:
+        """How many batches keep their gradient graph (measured on the first batch)."""
+        if self.keep_graph is False:
+            return 0
+        if self.keep_graph is True:
+            return len(self.batches)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:  # tensors without storage (e.g. wrapped subclasses)
+                pass
+            return t
+
+        with self._context(grad=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            graph = self._first_order_graph(0)
+        per_batch = 2 * sum(seen.values()) + 8 * self.n  # x2: the double-backward graph
+        have = available_memory(self.device) or 0
+        keep = min(len(self.batches), int(0.25 * have // max(per_batch, 1)))
+        self._graphs = [graph] if keep else []
+        return keep
+
+    def _graph(self, b: int) -> tuple[list[torch.Tensor | None], bool]:
+        """The first-order gradient graph of batch b and whether it is kept for reuse."""
+        if self._graphs is None:
+            self._n_kept = self._plan_graphs()
+            self._graphs = self._graphs or []
+        if b < self._n_kept:
+            if b >= len(self._graphs):
+                self._graphs.append(self._first_order_graph(b))
+            return self._graphs[b], True
+        return self._first_order_graph(b), False
+
+    def hvp(self, v: torch.Tensor) -> torch.Tensor:
+        """H v for a flat (n,) vector, returned flat (n,) float64 (H of the parameter subset only)."""
+        vs = self.split(v)
+        out = torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        with self._context(grad=True):
+            for b in range(len(self.batches)):
+                grads, kept = self._graph(b)
+                live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+                if not live:
+                    continue
+                hv = torch.autograd.grad([grads[i] for i in live], self.params, [vs[i] for i in live],
+                                         retain_graph=kept, allow_unused=True)
+                out += self.flat(list(hv))
+        self.hvps += 1
+        return out
+
+    @contextmanager
+    def shifted(self, delta: torch.Tensor) -> Iterator[None]:
+        """Evaluate at w + delta inside the context; the exact w is restored on exit (kept graphs dropped)."""
+        saved = [p.detach().clone() for p in self.params]
+        self._graphs = None
+        try:
+            with torch.no_grad():
+                for p, d in zip(self.params, self.split(delta), strict=True):
+                    p.add_(d)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, s in zip(self.params, saved, strict=True):
+                    p.copy_(s)
+
+
+def evaluation_set(loaded, n_tokens: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed validation windows of a loaded run (:func:`cemtool.runs.load_run`) covering about ``n_tokens``
+    target tokens: inputs and targets (n, T) int64."""
+    from cemtool.data.corpus import load_corpus, windows
+
+    if n_tokens <= 0:
+        raise CemtoolError(f"--tokens must be positive, got {n_tokens}")
+    cfg = loaded.config
+    T = seq_len or cfg.data.seq_len
+    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
+    starts = corpus.eval_windows(T, n_tokens)
+    return windows(corpus.val, starts, T)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Lanczos
+
+
+def _orthogonalize(w: torch.Tensor, basis: list[torch.Tensor]) -> torch.Tensor:
+    """Full reorthogonalisation: classical Gram-Schmidt applied twice ("twice is enough")."""
+    if not basis:
+        return w
+    Q = torch.stack(basis, dim=1)  # (n, j)
+    for _ in range(2):
+        w = w - Q @ (Q.T @ w)  # (n,)
+    return w
+
+
+def _random_unit(n: int, gen: torch.Generator, device: torch.device, rademacher: bool = False) -> torch.Tensor:
+    v = (torch.randint(0, 2, (n,), generator=gen, dtype=torch.float64) * 2 - 1) if rademacher \
+        else torch.randn(n, generator=gen, dtype=torch.float64)
+    return (v / v.norm()).to(device)  # (n,)
+
+
+@dataclass
+class LanczosState:
+    """The Lanczos recurrence so far: T_m = tridiag(beta, alpha, beta) and the orthonormal basis Q (n, m)."""
+
+    alpha: list[float] = field(default_factory=list)
+    beta: list[float] = field(default_factory=list)  # beta[j] couples q_j and q_{j+1} (0 after a restart)
+    basis: list[torch.Tensor] = field(default_factory=list)
+    residual_norm: float = 0.0  # beta_m: norm of the last residual (the Ritz residual factor)
+
+    def tridiagonal(self) -> np.ndarray:
+        m = len(self.alpha)
+        T = np.diag(np.asarray(self.alpha, dtype=np.float64))
+        if m > 1:
+            off = np.asarray(self.beta[: m - 1], dtype=np.float64)
+            T += np.diag(off, 1) + np.diag(off, -1)
+        return T
+
+    def ritz(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Ritz values (ascending), eigenvectors S of T_m, residual norms |beta_m s_{m,i}| = ||H y_i - theta_i y_i||."""
+        theta, S = np.linalg.eigh(self.tridiagonal())
+        return theta, S, np.abs(self.residual_norm * S[-1, :])
+
+
+def lanczos_iterate(op, v0: torch.Tensor, steps: int, gen: torch.Generator,
+                    stop: Callable[[LanczosState], bool] | None = None,
+                    callback: Callback | None = None) -> LanczosState:
+    """Run up to ``steps`` Lanczos steps from v0 with full reorthogonalisation (float64 basis and recurrence).
+
+    On breakdown (an invariant subspace is found, beta ~ 0) it continues from a fresh random vector orthogonal
+    to the basis, recording beta = 0, so T_m stays exact for the space explored. ``stop(state)`` ends early.
+    """
+    st = LanczosState()
+    q = v0.to(torch.float64) / v0.norm()
+    scale = 0.0
+    for j in range(min(steps, op.n)):
+        st.basis.append(q)
+        w = op.hvp(q).to(torch.float64)  # (n,)
+        a = float(q @ w)
+        w = _orthogonalize(w, st.basis)  # removes alpha q_j and beta q_{j-1} too, to working precision
+        b = float(w.norm())
+        st.alpha.append(a)
+        scale = max(scale, abs(a) + b)
+        if callback is not None:
+            callback(j + 1)
+        if b <= 1e-12 * max(scale, 1e-300) and j + 1 < op.n:  # invariant subspace: restart
+            st.beta.append(0.0)
+            st.residual_norm = 0.0
+            q = _random_unit(op.n, gen, w.device)
+            q = _orthogonalize(q, st.basis)
+            q = q / q.norm()
+        else:
+            st.beta.append(b)
+            st.residual_norm = b
+            q = w / b if b > 0 else w
+        if stop is not None and stop(st):
+            break
+    return st
+
+
+def error_estimates(theta: np.ndarray, residual: np.ndarray) -> np.ndarray:
+    """Eigenvalue error estimate of each Ritz value: min(r_i, r_i^2 / gap_i) (Kato-Temple), with gap_i the
+    distance to the nearest other Ritz value less its residual. r_i alone is a rigorous bound (some eigenvalue
+    of H lies within r_i of theta_i); the r^2/gap form assumes no eigenvalue is hiding between Ritz values."""
+    out = residual.copy()
+    if len(theta) < 2:
+        return out
+    for i in range(len(theta)):
+        others = np.delete(np.arange(len(theta)), i)
+        gap = np.min(np.abs(theta[others] - theta[i]) - residual[others])
+        if gap > 0:
+            out[i] = min(residual[i], residual[i] ** 2 / gap)
+    return out
+
+
+@dataclass
+class Eigenvalues:
+    """Extreme eigenvalues of H by Lanczos. ``top`` descending, ``bottom`` ascending; for each: the Ritz residual
+    ||H y - theta y|| (a rigorous error bound), the Kato-Temple error estimate and the converged flag
+    (estimate <= tol * max(|theta|, 1e-3 * ||T||))."""
+
+    top: list[float]
+    top_residual: list[float]
+    top_error: list[float]
+    top_converged: list[bool]
+    bottom: list[float]
+    bottom_residual: list[float]
+    bottom_error: list[float]
+    bottom_converged: list[bool]
+    ritz_values: list[float]  # every Ritz value of the final T_m (ascending)
+    steps: int
+    hvps: int
+    seconds: float
+    tol: float
+    seed: int
+    n: int
+    vectors_top: torch.Tensor | None = None  # (n, k_top) Ritz vectors if asked for
+    vectors_bottom: torch.Tensor | None = None
+
+    @property
+    def converged(self) -> bool:
+        return all(self.top_converged) and all(self.bottom_converged)
+
+    @property
+    def lambda_max(self) -> float:
+        return self.top[0]
+
+    @property
+    def lambda_min(self) -> float:
+        return self.bottom[0] if self.bottom else min(self.ritz_values)
+
+
+def _select(theta: np.ndarray, residual: np.ndarray, k_top: int, k_bottom: int, tol: float):
+    err = error_estimates(theta, residual)
+    scale = max(float(np.max(np.abs(theta))), 1e-300)
+    ok = err <= tol * np.maximum(np.abs(theta), 1e-3 * scale)
+    m = len(theta)
+    top = list(range(m - 1, max(m - 1 - k_top, -1), -1))
+    bottom = list(range(0, min(k_bottom, m)))
+    return err, ok, top, bottom
+
+
+def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: float = 1e-5, seed: int = 0,
+            min_steps: int | None = None, return_vectors: bool = False, callback: Callback | None = None) -> Eigenvalues:
+    """Top-k and bottom-k eigenvalues of the operator by Lanczos with full reorthogonalisation.
+
+    Both ends come from one Krylov space (the Hessian is indefinite: the most negative eigenvalue matters, and
+    λ_max is the largest *algebraic* eigenvalue, not the largest in magnitude as power iteration finds).
+    Stops when every requested Ritz value has converged (see :class:`Eigenvalues`) or after ``max_steps`` HVPs.
+    The start vector is Gaussian from ``seed``. A k larger than the number of steps taken returns fewer values.
+    """
+    if k_top < 0 or k_bottom < 0 or k_top + k_bottom == 0:
+        raise CemtoolError("ask for at least one eigenvalue (top-k or bottom-k)")
+    t0 = time.perf_counter()
+    hv0 = getattr(op, "hvps", 0)
+    gen = torch.Generator().manual_seed(seed)
+    need = min(op.n, max(k_top, k_bottom) + 1 if min_steps is None else min_steps)
+
+    def converged(st: LanczosState) -> bool:
+        if len(st.alpha) < need:
+            return False
+        if len(st.alpha) >= op.n:
+            return True
+        theta, _, res = st.ritz()
+        _, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol)
+        return len(top) >= min(k_top, op.n) and bool(ok[top + bottom].all())
+
+    st = lanczos_iterate(op, _random_unit(op.n, gen, op.device), max_steps, gen, converged, callback)
+    theta, S, res = st.ritz()
+    err, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol)
+    if len(st.alpha) >= op.n:  # the whole space: Ritz values are eigenvalues up to rounding
+        ok[:] = True
+    vt = vb = None
+    if return_vectors:
+        Q = torch.stack(st.basis, dim=1)  # (n, m)
+        Sd = torch.from_numpy(S).to(Q.device)  # (m, m)
+        vt, vb = Q @ Sd[:, top], Q @ Sd[:, bottom]  # (n, k)
+    return Eigenvalues(
+        top=[float(theta[i]) for i in top], top_residual=[float(res[i]) for i in top],
+        top_error=[float(err[i]) for i in top], top_converged=[bool(ok[i]) for i in top],
+        bottom=[float(theta[i]) for i in bottom], bottom_residual=[float(res[i]) for i in bottom],
+        bottom_error=[float(err[i]) for i in bottom], bottom_converged=[bool(ok[i]) for i in bottom],
+        ritz_values=[float(t) for t in theta], steps=len(st.alpha), hvps=getattr(op, "hvps", 0) - hv0 or len(st.alpha),
+        seconds=time.perf_counter() - t0, tol=tol, seed=seed, n=op.n, vectors_top=vt, vectors_bottom=vb)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# trace
+
+
+@dataclass
+class Trace:
+    """An estimate of tr(H) with its standard error, and the mean eigenvalue tr(H)/n (n = parameters)."""
+
+    method: str
+    trace: float
+    se: float
+    per_param: float
+    per_param_se: float
+    hvps: int
+    seconds: float
+    seed: int
+    n: int
+
+
+def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    return (torch.randint(0, 2, (n, k), generator=gen, dtype=torch.float64) * 2 - 1).to(device)  # (n, k)
+
+
+def _trace_result(method: str, est: float, se: float, n: int, hvps: int, t0: float, seed: int) -> Trace:
+    return Trace(method, est, se, est / n, se / n, hvps, time.perf_counter() - t0, seed, n)
+
+
+def hutchinson(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = None) -> Trace:
+    """Hutchinson's estimator tr(H) ~ (1/m) sum z_i^T H z_i with Rademacher z_i (Hutchinson 1989);
+    standard error = sample std / sqrt(m)."""
+    if hvps < 2:
+        raise CemtoolError("the trace needs at least 2 HVPs for a standard error")
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(hvps):
+        z = _rademacher(op.n, 1, gen, op.device)[:, 0]  # (n,)
+        samples.append(float(z @ op.hvp(z)))
+        if callback is not None:
+            callback(i + 1)
+    s = np.asarray(samples)
+    return _trace_result("hutchinson", float(s.mean()), float(s.std(ddof=1) / math.sqrt(len(s))), op.n, hvps, t0,
+                         seed)
+
+
+def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = None) -> Trace:
+    """Hutch++ (Meyer, Musco, Musco & Woodruff 2021): with m HVPs, sketch Q = orth(H S) from k = m/3 Rademacher
+    columns, take tr(Q^T H Q) exactly (k HVPs) and Hutchinson on the deflated rest (I - QQ^T) H (I - QQ^T) with
+    the remaining m - 2k vectors. Unbiased; its standard error is that of the Hutchinson part."""
+    if hvps < 4:
+        raise CemtoolError("Hutch++ needs at least 4 HVPs")
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    done = 0
+
+    def apply(v: torch.Tensor) -> torch.Tensor:
+        nonlocal done
+        out = op.hvp(v).to(torch.float64)
+        done += 1
+        if callback is not None:
+            callback(done)
+        return out
+
+    k = min(hvps // 3, op.n)
+    r = hvps - 2 * k
+    S = _rademacher(op.n, k, gen, op.device)  # (n, k)
+    Y = torch.stack([apply(S[:, i]) for i in range(k)], dim=1)  # (n, k) = H S
+    Q, _ = torch.linalg.qr(Y)  # (n, k)
+    low = sum(float(Q[:, i] @ apply(Q[:, i])) for i in range(k))  # tr(Q^T H Q)
+    samples = []
+    for _ in range(r):
+        g = _rademacher(op.n, 1, gen, op.device)[:, 0]  # (n,)
+        g = g - Q @ (Q.T @ g)  # (I - QQ^T) g
+        samples.append(float(g @ apply(g)))
+    s = np.asarray(samples)
+    se = float(s.std(ddof=1) / math.sqrt(len(s))) if len(s) > 1 else 0.0
+    return _trace_result("hutch++", low + float(s.mean()), se, op.n, done, t0, seed)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# spectral density
+
+
+@dataclass
+class Density:
+    """Spectral density by stochastic Lanczos quadrature (Ubaru, Chen & Saad 2017; Ghorbani, Krishnan & Xiao
+    2019): per run, the Ritz values (nodes) of m Lanczos steps from a normalised Rademacher vector and the squared
+    first components of their eigenvectors (weights, summing to 1). The density is the run-average of Gaussians of
+    width ``sigma`` at the nodes, on ``grid``; it integrates to 1 (it is the density of eigenvalues / n)."""
+
+    nodes: list[list[float]]
+    weights: list[list[float]]
+    grid: list[float]
+    density: list[float]
+    sigma: float
+    runs: int
+    steps: int
+    hvps: int
+    seconds: float
+    seed: int
+    n: int
+    trace: float  # n * mean_run sum_j w_j theta_j: the runs' Hutchinson estimate of tr(H)
+    trace_se: float
+
+
+def smooth_density(nodes: np.ndarray, weights: np.ndarray, grid: np.ndarray, sigma: float) -> np.ndarray:
+    """sum_j w_j N(grid; node_j, sigma^2) (nodes, weights flat; weights sum to the mass)."""
+    z = (grid[:, None] - nodes[None, :]) / sigma  # (G, J)
+    return (np.exp(-0.5 * z**2) * weights[None, :]).sum(1) / (sigma * math.sqrt(2 * math.pi))
+
+
+def slq(op, runs: int = 3, steps: int = 80, *, seed: int = 0, sigma: float | None = None, sigma_frac: float = 0.01,
+        grid_points: int = 1000, callback: Callback | None = None) -> Density:
+    """Stochastic Lanczos quadrature: ``runs`` independent Lanczos runs of ``steps`` HVPs each.
+    ``sigma`` defaults to ``sigma_frac`` times the spread of the nodes."""
+    if runs < 1 or steps < 1:
+        raise CemtoolError("the density needs at least one run of one step")
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    nodes, weights, done = [], [], 0
+    for _ in range(runs):
+        base = done
+
+        def cb(j: int, base: int = base) -> None:
+            if callback is not None:
+                callback(base + j)
+
+        st = lanczos_iterate(op, _random_unit(op.n, gen, op.device, rademacher=True), steps, gen, callback=cb)
+        done += len(st.alpha)
+        theta, S, _ = st.ritz()
+        nodes.append(theta.tolist())
+        # first components of the eigenvectors of T; after a restart only the first block carries the start vector
+        weights.append((S[0, :] ** 2).tolist())
+    flat_n, flat_w = np.concatenate(nodes), np.concatenate(weights) / runs
+    lo, hi = float(flat_n.min()), float(flat_n.max())
+    sig = sigma if sigma is not None else sigma_frac * max(hi - lo, 1e-12 * max(abs(lo), abs(hi), 1.0))
+    grid = np.linspace(lo - 5 * sig, hi + 5 * sig, grid_points)
+    dens = smooth_density(flat_n, flat_w, grid, sig)
+    traces = np.asarray([op.n * float(np.dot(w, t)) for t, w in zip(nodes, weights, strict=True)])
+    tse = float(traces.std(ddof=1) / math.sqrt(runs)) if runs > 1 else float("nan")
+    return Density(nodes, weights, grid.tolist(), dens.tolist(), sig, runs, steps, done, time.perf_counter() - t0,
+                   seed, op.n, float(traces.mean()), tse)
+
+
+__all__ = ["DenseOperator", "Density", "Eigenvalues", "Objective", "Trace", "available_memory", "check_memory",
+           "evaluation_set", "hutch_plus_plus", "hutchinson", "lanczos", "lanczos_iterate", "select_parameters",
+           "slq", "smooth_density"]

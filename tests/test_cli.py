@@ -1,0 +1,160 @@
+"""The CLI through CliRunner: help of every command, a tiny real run, bad input -> one line and an exit code."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from cemtool.cli.main import app
+
+from conftest import TINY
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args))
+
+
+def tiny_sets(*extra):
+    out = []
+    for s in [*TINY, *extra]:
+        out += ["--set", s]
+    return out
+
+
+def command_names():
+    import typer.main
+
+    return sorted(typer.main.get_command(app).commands)
+
+
+def test_help_of_every_command():
+    res = invoke("--help")
+    assert res.exit_code == 0
+    names = command_names()
+    assert {"train", "runs", "archs", "config"} <= set(names)
+    for name in names:
+        r = invoke(name, "--help")
+        assert r.exit_code == 0 and "Usage" in r.output, name
+
+
+def test_tiny_real_run_then_runs_listing(tmp_path, text_file):
+    out = tmp_path / "r"
+    res = invoke("train", "--data", text_file, "--out", str(out), "--quiet", "--json",
+                 *tiny_sets("data.tokenizer=byte"))
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout)
+    assert summary["status"] == "completed" and summary["step"] == 30
+    for f in ("config.json", "meta.json", "metrics.jsonl", "tokenizer.json", "checkpoints/final.safetensors"):
+        assert (out / f).exists(), f
+    listing = invoke("runs", str(tmp_path), "--json")
+    rows = json.loads(listing.stdout)
+    assert rows[0]["status"] == "completed" and rows[0]["step"] == 30
+
+
+def test_archs_and_config_commands():
+    res = invoke("archs", "--json", "--arch", "baseline")
+    assert res.exit_code == 0
+    row = json.loads(res.stdout)[0]
+    assert row["params"] > 0 and row["flops_train"] > row["flops_forward"] > 0
+    cfg = json.loads(invoke("config", "--set", "model.d_model=64").stdout)
+    assert cfg["model"]["d_model"] == 64
+    assert "model.cem.steps" in invoke("config", "--fields").stdout
+
+
+def one_line_error(res, code, *words):
+    assert res.exit_code == code, res.output
+    lines = [line for line in res.output.strip().splitlines() if line.strip()]
+    assert lines[0].startswith("Error: "), res.output
+    assert "Traceback" not in res.output
+    for w in words:
+        assert w in res.output, (w, res.output)
+
+
+def bad_file(tmp_path, name, content: bytes):
+    p = tmp_path / name
+    p.write_bytes(content)
+    return str(p)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "binary", "latin1", "arch", "key", "type", "seq_len",
+                                  "newer_schema"])
+def test_bad_input_one_line_exit_1(tmp_path, text_file, case):
+    out = tmp_path / "out"
+    args = {
+        "missing": ["--data", str(tmp_path / "nope.txt")],
+        "empty": ["--data", bad_file(tmp_path, "e.txt", b"")],
+        "binary": ["--data", bad_file(tmp_path, "b.txt", b"\x00\x01\x02" * 100)],
+        "latin1": ["--data", bad_file(tmp_path, "l.txt", "café crème ".encode("latin-1") * 50)],
+        "arch": ["--arch", "transformerxl"],
+        "key": ["--set", "model.widht=3"],
+        "type": ["--set", "model.d_model=wide"],
+        "seq_len": ["--data", text_file, "--set", "data.seq_len=100000", "--set", "data.tokenizer=byte"],
+        "newer_schema": ["--config", bad_file(tmp_path, "c.json", json.dumps({"schema_version": 99}).encode())],
+    }[case]
+    words = {"missing": ["nope.txt"], "empty": ["empty"], "binary": ["binary"], "latin1": ["UTF-8"],
+             "arch": ["unknown architecture", "baseline"], "key": ["model.widht"], "type": ["model.d_model"],
+             "seq_len": ["data.seq_len=100000"], "newer_schema": ["schema_version"]}[case]
+    res = invoke("train", *args, "--out", str(out), "--quiet")
+    one_line_error(res, 1, *words)
+    assert not out.exists()
+
+
+def test_existing_run_refused_then_force(tmp_path, tiny_run):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = sorted(p.name for p in run.rglob("*"))
+    res = invoke("train", "--out", str(run), "--quiet")
+    one_line_error(res, 1, "already holds a run", "--resume")
+    assert sorted(p.name for p in run.rglob("*")) == before
+
+
+def test_corrupt_checkpoint_and_pickle_on_resume(tmp_path, tiny_run):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    meta = json.loads((run / "meta.json").read_text())
+    meta["status"] = "interrupted"
+    (run / "meta.json").write_text(json.dumps(meta))
+    for ck in (run / "checkpoints").glob("step_*.safetensors"):
+        ck.write_bytes(pickle.dumps({"evil": True}))
+    res = invoke("train", "--resume", str(run), "--quiet")
+    one_line_error(res, 1, "never unpickles")
+    for ck in (run / "checkpoints").glob("step_*.safetensors"):
+        ck.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":")
+    res = invoke("train", "--resume", str(run), "--quiet")
+    one_line_error(res, 1, "corrupted")
+    assert (run / "checkpoints" / "final.safetensors").exists()
+
+
+def test_resume_not_a_run_and_usage_errors(tmp_path):
+    one_line_error(invoke("train", "--resume", str(tmp_path)), 1, "not a cemtool run")
+    res = invoke("train", "--resume", str(tmp_path), "--arch", "baseline")
+    assert res.exit_code == 2
+    assert invoke("train", "--no-such-flag").exit_code == 2
+    assert invoke("train", "--seed", "abc").exit_code == 2
+
+
+def test_unknown_device_and_unavailable_cuda(tmp_path):
+    one_line_error(invoke("train", "--device", "tpu9", "--out", str(tmp_path / "o")), 1, "device")
+    import torch
+
+    if not torch.cuda.is_available():
+        one_line_error(invoke("train", "--device", "cuda", "--out", str(tmp_path / "o")), 1, "CUDA")
+
+
+def test_out_of_memory_is_one_line(tmp_path, text_file, monkeypatch):
+    import torch
+
+    import cemtool.train as tr
+
+    def boom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(tr, "lm_loss", boom)
+    res = invoke("train", "--data", text_file, "--out", str(tmp_path / "o"), "--quiet",
+                 *tiny_sets("data.tokenizer=byte"))
+    one_line_error(res, 1, "out of memory", "batch_size")
+    assert json.loads((tmp_path / "o" / "meta.json").read_text())["status"] == "failed"

@@ -1,0 +1,342 @@
+"""Momentum-stream models (METHODS §3): causality, training, round trips, the equivalences between variants,
+and the Newton–Schulz / Newton inverse-square-root math against dense ground truth."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cemtool.config import replace, resolve
+from cemtool.errors import ConfigError
+from cemtool.models import archs, attention_impl, build_model, capture, lm_loss
+from cemtool.models.momentum import NS_COEFFS, SCALARS, VARIANTS, inv_sqrt_newton, newton_schulz
+from cemtool.runs import Run, load_weights, read_checkpoint, save_checkpoint
+
+V, T = 40, 12
+STREAM_VARIANTS = [v for v in VARIANTS if v != "vanilla"]
+
+
+def model_cfg(arch: str, *extra: str, init: str = "embed"):
+    cfg = resolve(arch=arch, overrides=["model.d_model=16", "model.n_head=2", "model.n_layer=2",
+                                        f"model.momentum.stream_init={init}", *extra])
+    return replace(cfg.model, vocab_size=V, max_seq_len=T)
+
+
+def build(arch: str, *extra: str, init: str = "embed", seed: int = 0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return build_model(model_cfg(arch, *extra, init=init)).to(dtype)
+
+
+def tokens(seed: int = 0, B: int = 2) -> torch.Tensor:
+    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# registry and construction
+
+
+def test_all_eleven_registered_in_the_momentum_family():
+    table = archs()
+    for name in VARIANTS:
+        assert table[name].family == "momentum"
+        assert resolve(arch=name).model.momentum.variant == name
+    assert table["vanilla"].build is table["baseline"].build  # the baseline itself, not a second implementation
+
+
+def test_vanilla_is_the_baseline_with_the_same_seed():
+    a, b = build("vanilla"), build("baseline")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    idx = tokens()
+    assert torch.equal(a(idx), b(idx))
+
+
+def test_variant_contradicting_the_arch_and_untileable_width_are_refused():
+    with pytest.raises(ConfigError, match="contradicts"):
+        build("hb", "model.momentum.variant=adam")
+    with pytest.raises(ConfigError, match="must divide"):
+        build("muon", "model.n_head=3", "model.head_dim=4")
+
+
+def test_stream_embeddings_exist_only_with_embed_init():
+    for v in STREAM_VARIANTS:
+        e = build(v, init="embed").num_params()["total"] - build(v, init="zero").num_params()["total"]
+        n_embedded = {"hb": 1, "nesterov": 1, "tmm": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "muon": 1, "ortho": 0,
+                      "soap": 1, "shampoo": 0}[v]
+        assert e == n_embedded * (V + T) * 16, v
+
+
+# --------------------------------------------------------------------------------------------------------------
+# causality, finiteness, training, round trip
+
+
+@cache
+def cached(arch: str, init: str):
+    return build(arch, init=init).eval()
+
+
+@pytest.mark.parametrize("arch", VARIANTS)
+@settings(max_examples=4, deadline=None)
+@given(pos=st.integers(0, T - 1), tok=st.integers(0, V - 1), init=st.sampled_from(["embed", "zero"]))
+def test_causal(arch, pos, tok, init):
+    model = cached(arch, init)
+    idx = tokens(1)
+    idx2 = idx.clone()
+    idx2[:, pos] = (idx[:, pos] + 1 + tok % (V - 1)) % V  # a different token at pos
+    with torch.no_grad():
+        a, b = model(idx), model(idx2)
+    assert torch.allclose(a[:, :pos], b[:, :pos], rtol=0, atol=1e-12)
+    assert (a[:, pos] - b[:, pos]).abs().max() > 1e-6  # the change is seen where it happens
+
+
+@pytest.mark.parametrize("arch", STREAM_VARIANTS)
+@pytest.mark.parametrize("init", ["embed", "zero"])
+def test_finite_forward_backward(arch, init):
+    model = build(arch, init=init, dtype=torch.float32)
+    idx = tokens()
+    loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+    loss.backward()
+    assert torch.isfinite(loss)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    # every learned scalar takes part, except those multiplying v = 0 in the first substep of a zero-init stream
+    idle = {"blocks.0.attn_step.raw.beta", "blocks.0.attn_step.raw.mu"} if init == "zero" and arch in (
+        "hb", "nesterov", "tmm") else set()
+    raw = {n: p.grad for n, p in model.named_parameters() if ".raw." in n}
+    assert raw and all((g.abs() > 0) == (n not in idle) for n, g in raw.items())
+
+
+@pytest.mark.parametrize("arch", STREAM_VARIANTS)
+def test_adamw_steps_lower_the_loss_on_a_fixed_batch(arch):
+    model = build(arch, dtype=torch.float32)
+    idx = tokens(3, B=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(20):
+        loss = lm_loss(model(idx[:, :-1]), idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize("arch", STREAM_VARIANTS)
+@pytest.mark.parametrize("init", ["embed", "zero"])
+def test_checkpoint_round_trip(arch, init, tmp_path):
+    model = build(arch, init=init, dtype=torch.float32)
+    with torch.no_grad():  # move the scalars off their init so the round trip is seen
+        for n, p in model.named_parameters():
+            if ".raw." in n:
+                p.add_(0.3)
+    save_checkpoint(Run(tmp_path), "final", model, step=7)
+    ckpt = read_checkpoint(tmp_path / "checkpoints" / "final.safetensors")
+    other = build(arch, init=init, seed=1, dtype=torch.float32)
+    idx = tokens()
+    assert not torch.equal(model(idx), other(idx))
+    load_weights(other, ckpt)
+    assert ckpt.step == 7 and torch.equal(model(idx), other(idx))
+    assert other.stream_scalars() == model.stream_scalars()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# equivalences between variants (float64, exact up to rounding)
+
+
+def transplant(src, dst, **raw: float):
+    """Copy src's weights into dst; set dst's extra raw scalars (absent in src) to the given values."""
+    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    assert not unexpected
+    assert sorted({k.rsplit(".", 1)[1] for k in missing}) == sorted(raw)
+    assert all(".raw." in k for k in missing)
+    with torch.no_grad():
+        for k in missing:
+            dst.get_parameter(k).fill_(raw[k.rsplit(".", 1)[1]])
+
+
+@pytest.mark.parametrize("init", ["embed", "zero"])
+def test_tmm_with_nu_one_is_nesterov(init):
+    nest, tmm = build("nesterov", init=init), build("tmm", init=init, seed=5)
+    transplant(nest, tmm, nu=math.log(math.e - 1))
+    assert all(abs(r["nu"] - 1) < 1e-15 for r in tmm.stream_scalars())
+    idx = tokens()
+    assert torch.allclose(tmm(idx), nest(idx), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("init", ["embed", "zero"])
+def test_nesterov_with_mu_zero_is_heavy_ball(init):
+    hb, nest = build("hb", init=init), build("nesterov", init=init, seed=5)
+    transplant(hb, nest, mu=-math.inf)
+    idx = tokens()
+    assert torch.allclose(nest(idx), hb(idx), rtol=0, atol=1e-12)
+    with torch.no_grad():  # and with mu > 0 they differ: the look-ahead is used
+        for n, p in nest.named_parameters():
+            if n.endswith(".raw.mu"):
+                p.fill_(0.0)
+    assert not torch.allclose(nest(idx), hb(idx), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("init", ["embed", "zero"])
+def test_adamw_with_lambda_zero_is_adam(init):
+    adam, adamw = build("adam", init=init), build("adamw", init=init, seed=5)
+    transplant(adam, adamw, **{"lambda": -1e9})
+    idx = tokens()
+    assert torch.allclose(adamw(idx), adam(idx), rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# scalars and hook points
+
+
+def test_stream_scalars_rows_and_hook_points_agree():
+    for arch in STREAM_VARIANTS:
+        model = build(arch)
+        rows = model.stream_scalars()
+        assert [(r["layer"], r["substep"]) for r in rows] == [(0, "attn"), (0, "mlp"), (1, "attn"), (1, "mlp")]
+        names = SCALARS[arch]
+        assert all(set(r) == {"layer", "substep", *names} for r in rows)
+        init = {"mu": 0.5, "beta": 0.5, "beta1": 0.5, "beta2": 0.5, "gamma": math.log(2), "nu": 1.0,
+                "lambda": 1 / (1 + math.exp(5))}
+        assert all(abs(r[n] - init[n]) < 1e-6 for r in rows for n in names)
+        with capture(model, ["blocks.*.attn_step.scalars", "blocks.*.mlp_step.scalars"]) as cache:
+            model(tokens())
+        for r in rows:
+            got = cache[f"blocks.{r['layer']}.{r['substep']}_step.scalars"]
+            assert got.shape == (len(names),)
+            assert torch.allclose(got, torch.tensor([r[n] for n in names], dtype=got.dtype))
+
+
+def test_standard_hook_points_and_both_attention_paths():
+    model = build("tmm")
+    idx = tokens()
+    with capture(model, ["blocks.*.attn.pattern", "blocks.*.attn.v", "blocks.*.resid_post",
+                         "blocks.*.attn_step.update"]) as cache:
+        out = model(idx)
+    pat = cache["blocks.1.attn.pattern"]
+    assert pat.shape == (2, 2, T, T) and torch.allclose(pat.sum(-1), torch.ones(2, 2, T, dtype=pat.dtype))
+    assert cache["blocks.0.attn.v"].shape == (2, 2, T, 8)
+    assert cache["blocks.1.resid_post"].shape == (2, T, 16) and cache["blocks.0.attn_step.update"].shape == (2, T, 16)
+    with attention_impl("explicit"):
+        assert torch.allclose(model(idx), out, rtol=0, atol=1e-12)
+
+
+def test_adam_step_matches_the_formula():
+    """Layer 0's attention substep of adam recomputed by hand from the captured oracle output."""
+    model = build("adam", init="zero")
+    idx = tokens()
+    blk = model.blocks[0]
+    with capture(model, ["embed", "blocks.0.resid_mid"]) as cache:
+        model(idx)
+    x = cache["embed"]
+    g = blk.attn(blk.ln1(x))
+    k = blk.attn_step.values()
+    m = (1 - k["beta1"]) * g
+    s = k["beta2"] + (1 - k["beta2"]) * g**2
+    want = x + k["gamma"] * blk.attn_step.ln_u(m / (s.sqrt() + 1e-8))
+    assert torch.allclose(cache["blocks.0.resid_mid"], want.detach(), rtol=0, atol=1e-12)
+
+
+def test_shampoo_step_matches_eigendecomposition():
+    """Layer 0's attention substep of shampoo: x + gamma LN_u(G R^{-1/2}) with R = b I + (1-b) G^T G, against
+    eigh (enough Newton steps to converge)."""
+    model = build("shampoo", "model.momentum.newton_steps=40")
+    idx = tokens()
+    blk = model.blocks[0]
+    with capture(model, ["embed", "blocks.0.resid_mid"]) as cache:
+        model(idx)
+    x = cache["embed"]
+    G = blk.attn(blk.ln1(x)).view(2, T, 2, 8).detach()
+    b = blk.attn_step.values()["beta2"].detach()
+    R = b * torch.eye(8, dtype=G.dtype) + (1 - b) * G.mT @ G + 1e-6 * torch.eye(8, dtype=G.dtype)
+    e, Q = torch.linalg.eigh(R)
+    U = G @ (Q @ torch.diag_embed(e.rsqrt()) @ Q.mT)
+    gamma = blk.attn_step.values()["gamma"].detach()
+    want = x + gamma * blk.attn_step.ln_u(U.reshape(2, T, 16)).detach()
+    assert torch.allclose(cache["blocks.0.resid_mid"], want, rtol=0, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the pure math
+
+
+def quintic(s: torch.Tensor, steps: int) -> torch.Tensor:
+    a, b, c = NS_COEFFS
+    for _ in range(steps):
+        s = a * s + b * s**3 + c * s**5
+    return s
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (2, 8), (8, 16), (16, 4)])
+def test_newton_schulz_maps_singular_values_by_the_quintic_and_keeps_singular_vectors(shape):
+    Y = torch.randn(200, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = newton_schulz(Y, 5)
+    U, S, Vh = torch.linalg.svd(Y, full_matrices=False)
+    s = S / (torch.linalg.matrix_norm(Y)[:, None] + 1e-7)  # after the Frobenius normalisation (+ eps)
+    want = U @ torch.diag_embed(quintic(s, 5)) @ Vh
+    assert torch.allclose(out, want, rtol=0, atol=1e-9)
+    # METHODS' literal form Y <- Y(aI + bA + cA^2), A = Y^T Y, gives the same (the code uses the small Gram side)
+    a, b, c = NS_COEFFS
+    Z = Y / (torch.linalg.matrix_norm(Y, keepdim=True) + 1e-7)
+    for _ in range(5):
+        A = Z.mT @ Z
+        Z = Z @ (a * torch.eye(shape[1], dtype=Z.dtype) + b * A + c * A @ A)
+    assert torch.allclose(out, Z, rtol=0, atol=1e-12)
+
+
+def test_newton_schulz_singular_values_lie_in_the_measured_band():
+    """For a normalised singular value s in [0.05, 1], five quintic steps land in [0.6818, 1.1344] (the image of
+    [0.05, 1] under the iterated quintic, computed below on a fine grid); random Gaussian (H, d_h) matrices with
+    H <= d_h / 2 (the per-token views used here) have no normalised singular value below 0.05, so all of theirs
+    land in the band. Square matrices can have tiny singular values, which five steps do not lift; over all of
+    (0, 1] the iterated quintic peaks at 1.2024 (reached from s ~ 0.004)."""
+    grid = quintic(torch.linspace(0.05, 1, 200001, dtype=torch.float64), 5)
+    lo, hi = grid.min().item(), grid.max().item()
+    assert 0.68 < lo < 0.69 and 1.13 < hi < 1.14
+    for shape in [(4, 32), (2, 64), (8, 16), (32, 4)]:
+        Y = torch.randn(500, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        S = torch.linalg.svdvals(newton_schulz(Y, 5))
+        assert S.min() >= lo - 1e-9 and S.max() <= hi + 1e-9, shape
+    assert abs(quintic(torch.tensor(1e-3, dtype=torch.float64), 5).item()) < 0.7  # tiny ones stay below the band
+
+
+def random_spd(n: int, batch: int, shift: float, seed: int) -> torch.Tensor:
+    A = torch.randn(batch, n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return A @ A.mT / n + shift * torch.eye(n, dtype=torch.float64)
+
+
+def eig_inv_sqrt(R: torch.Tensor) -> torch.Tensor:
+    e, Q = torch.linalg.eigh(R)
+    return Q @ torch.diag_embed(e.rsqrt()) @ Q.mT
+
+
+@pytest.mark.parametrize("n", [4, 8, 32])
+def test_newton_inverse_square_root_matches_eigendecomposition(n):
+    R = random_spd(n, 100, 0.05, n)  # condition numbers up to ~100
+    ref = eig_inv_sqrt(R)
+    rel = lambda X: (torch.linalg.matrix_norm(X - ref) / torch.linalg.matrix_norm(ref)).max().item()  # noqa: E731
+    assert rel(inv_sqrt_newton(R, 30, eps=0.0)) < 1e-10
+    assert rel(inv_sqrt_newton(R, 50, eps=0.0)) < 1e-10  # stays converged (the coupled form is stable)
+    eye = torch.eye(n, dtype=torch.float64)
+    ref_eps = eig_inv_sqrt(R + 1e-6 * eye)
+    assert torch.allclose(inv_sqrt_newton(R, 30), ref_eps, rtol=1e-9, atol=0)  # the default eps is R + 1e-6 I
+
+
+def test_newton_inverse_square_root_follows_the_methods_iteration():
+    """The coupled iterates equal METHODS' X <- 1/2 X (3I - X R_hat X) before rounding errors grow; for an
+    ill-conditioned R the literal form then diverges while the coupled one stays converged."""
+    R = random_spd(8, 50, 0.01, 3)
+    norm = torch.linalg.matrix_norm(R, keepdim=True)
+    Rh, eye = R / norm, torch.eye(8, dtype=torch.float64)
+    X = eye.expand_as(R)
+    for k in range(1, 61):
+        X = 0.5 * X @ (3 * eye - X @ Rh @ X)
+        if k in (3, 10):
+            assert torch.allclose(inv_sqrt_newton(R, k, eps=0.0), X / norm.sqrt(), rtol=1e-10, atol=0)
+    ref = eig_inv_sqrt(R)
+    assert not torch.allclose(X / norm.sqrt(), ref, rtol=1e-3)  # literal form after 60 steps: lost
+    assert torch.allclose(inv_sqrt_newton(R, 60, eps=0.0), ref, rtol=1e-8, atol=0)
