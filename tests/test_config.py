@@ -2,8 +2,17 @@ import json
 
 import pytest
 
-from cemtool.config import (SCHEMA_VERSION, RunConfig, config_from_run_dict, describe_fields, from_dict,
-                            parse_override, replace, resolve, to_dict)
+from cemtool.config import (
+    SCHEMA_VERSION,
+    RunConfig,
+    config_from_run_dict,
+    describe_fields,
+    from_dict,
+    parse_override,
+    replace,
+    resolve,
+    to_dict,
+)
 from cemtool.errors import ConfigError
 
 

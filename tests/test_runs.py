@@ -7,8 +7,17 @@ import pytest
 import torch
 
 from cemtool.errors import CemtoolError
-from cemtool.runs import (Run, create_run, find_checkpoint, list_runs, load_run, load_weights, open_run,
-                          read_checkpoint, save_checkpoint)
+from cemtool.runs import (
+    Run,
+    create_run,
+    find_checkpoint,
+    list_runs,
+    load_run,
+    load_weights,
+    open_run,
+    read_checkpoint,
+    save_checkpoint,
+)
 
 
 def test_load_run_gives_model_config_tokenizer(tiny_run):

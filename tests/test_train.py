@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY
 from safetensors.torch import load_file
 
 from cemtool.config import TrainConfig, resolve
@@ -19,6 +18,8 @@ from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
 from cemtool.runs import create_run, load_run, open_run
 from cemtool.train import NonFiniteLoss, finalize_model_config, lr_at, make_optimizer, train
+
+from conftest import TINY
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

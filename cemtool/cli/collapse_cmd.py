@@ -1,0 +1,186 @@
+"""cemtool collapse-report: representation-collapse measures of one run or a comparison of several."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+from cemtool.errors import CemtoolError
+
+
+def _label(path: Path, taken: set[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.resolve().name) or "run"
+    label, n = base, 2
+    while label in taken:
+        label, n = f"{base}-{n}", n + 1
+    taken.add(label)
+    return label
+
+
+def measure_run(path: Path, *, label: str, checkpoint: str, tokens: int, seq_len: int | None, batch_size: int,
+                alpha: float, words: list[str] | None, k: int, folds: int, per_class: int, seed: int,
+                device: str, bar=None) -> dict:
+    """Load a run, measure it, return the per-run payload (what reports/collapse.json holds under runs[0])."""
+    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
+    from cemtool.analysis.collapse import collapse_report, layer_summary, probe_classes
+    from cemtool.analysis.routing import lime_routing, stream_scalars
+    from cemtool.data.corpus import load_corpus, windows
+    from cemtool.runs import load_run
+    from cemtool.train import pick_device
+
+    dev = pick_device(device)
+    loaded = load_run(path, checkpoint=checkpoint, device=dev)
+    cfg = loaded.config
+    T = seq_len or cfg.data.seq_len
+    if T > cfg.model.max_seq_len:
+        raise CemtoolError(f"--seq-len {T} is longer than the model's max_seq_len {cfg.model.max_seq_len}")
+    if tokens < T:
+        raise CemtoolError(f"--tokens {tokens} is fewer than one window of {T} tokens")
+    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
+    starts = corpus.eval_windows(T, tokens)
+    x, _ = windows(corpus.val, starts, T)  # (n, T)
+    classes = probe_classes(loaded.tokenizer, x.numpy(), words, k, cfg.model.vocab_size)
+    task = None
+    if bar is not None:
+        task = bar.add_task(label, total=2 * ((len(x) + batch_size - 1) // batch_size), status="")
+
+    def progress(stage: str, done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(task, advance=1, status=stage)
+
+    report = collapse_report(loaded.model, x, alpha=alpha, classes=classes, folds=folds, per_class=per_class,
+                             batch_size=batch_size, seed=seed, device=dev, progress=progress)
+    mean_mix = {e["layer"]: e["routing_mean"] for e in report["layers"] if "routing_mean" in e}
+    return {"label": label, "run": str(loaded.run.path), "arch": cfg.model.arch, "checkpoint": str(loaded.checkpoint),
+            "step": loaded.step, "collapse": report, "summary": layer_summary(report),
+            "routing": lime_routing(loaded.model, mean_mix), "stream_scalars": stream_scalars(loaded.model)}
+
+
+def all_rows(payload: dict) -> list[dict]:
+    from cemtool.analysis.collapse import report_rows
+    from cemtool.analysis.routing import routing_rows, stream_rows
+
+    rows = []
+    for r in payload["runs"]:
+        rows += report_rows(r["collapse"], r["label"], r["arch"])
+        rows += routing_rows(r["routing"], r["label"], r["arch"])
+        rows += stream_rows(r["stream_scalars"], r["label"], r["arch"])
+    return rows
+
+
+def _f(v, digits: int = 3) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def print_summary(payload: dict) -> None:
+    cols = ["run", "layer", "H(values)", "H(hidden)", "probe v", "probe h", "erank h", "cos h", "attn H/log"]
+    body = []
+    for r in payload["runs"]:
+        for s in r["summary"]:
+            body.append([r["label"], s["layer"], f"{_f(s['v_entropy'])} ± {_f(s['v_entropy_se'])}",
+                         f"{_f(s['h_entropy'])} ± {_f(s['h_entropy_se'])}",
+                         _f(s["probe_v"]), _f(s["probe_h"]), _f(s["h_erank"], 1), _f(s["h_cosine"]),
+                         _f(s["attn_entropy_norm"])])
+    console.table("collapse (entropy: Rényi, nats, mean ± s.e. over sequences; probe: CV accuracy)", cols, body)
+    for r in payload["runs"]:
+        c = r["collapse"]
+        pc = c.get("probe_classes") or {}
+        chance = 1 / len(pc["names"]) if pc.get("names") else None
+        console.result(f"{r['label']} ({r['arch']}): {c['tokens']:,} tokens; probe classes "
+                       f"{', '.join(map(repr, pc.get('names', [])))} ({pc.get('per_class', 0)} per class, chance "
+                       f"{_f(chance)})" + (f"; {pc['note']}" if pc.get("note") else ""))
+        notes = sorted({v for e in c["layers"] for v in (e["values"], e["hidden"], e["attention"], *e["probe"].values())
+                        if isinstance(v, str)})
+        for n in notes:
+            console.result(f"  {n}")
+        if isinstance(r["routing"], dict):
+            exp = ", ".join(f"L{e['layer']}: {e['expected_layer']:.2f}" for e in r["routing"]["layers"])
+            console.result(f"  LIMe {r['routing']['variant']} router, expected retrieved layer: {exp}")
+        else:
+            console.result(f"  routing: {r['routing']}")
+        if isinstance(r["stream_scalars"], list):
+            first = r["stream_scalars"][0]
+            keys = [k for k in first if k not in ("layer", "substep")]
+            console.result(f"  stream scalars ({', '.join(keys)}) per layer and substep: see the report")
+        else:
+            console.result(f"  stream scalars: {r['stream_scalars']}")
+
+
+@app.command("collapse-report")
+@guarded
+def collapse_report_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="one or more run directories (several: one comparison)")],
+    checkpoint: Annotated[str, typer.Option(help="final, latest, a step number or a file")] = "final",
+    tokens: Annotated[int, typer.Option(help="evaluation tokens from the validation split (whole windows)")]
+    = 16384,
+    seq_len: Annotated[Optional[int], typer.Option(help="window length; default the run's data.seq_len")] = None,
+    batch_size: Annotated[int, typer.Option(help="windows per forward pass (memory)")] = 16,
+    alpha: Annotated[float, typer.Option(help="Rényi order of the matrix entropy (1 = Shannon)")] = 0.5,
+    words: Annotated[Optional[str], typer.Option(help="comma-separated probe words (single tokens); default "
+                                                 "is,are,was,were if available, else the k most frequent tokens")]
+    = None,
+    k: Annotated[int, typer.Option("--k", help="probe classes when falling back to the most frequent tokens")] = 4,
+    folds: Annotated[int, typer.Option(help="cross-validation folds of the probe")] = 5,
+    per_class: Annotated[int, typer.Option(help="at most this many probe samples per class")] = 256,
+    seed: Annotated[int, typer.Option(help="seed of the probe's fold split")] = 0,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="folder of the comparison report (several "
+                                                "runs); default the first run's reports/ and plots/")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figures")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the per-layer summary as JSON")] = False,
+) -> None:
+    """Value/hidden-state entropy, token separability, effective rank, cosine similarity, attention statistics,
+    LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
+    from cemtool.report import provenance, write_report
+
+    if not alpha > 0:
+        raise typer.BadParameter(f"{alpha} is not a valid Rényi order (must be > 0)", param_hint="--alpha")
+    for name, v, lo in (("--tokens", tokens, 1), ("--batch-size", batch_size, 1), ("--folds", folds, 2),
+                        ("--per-class", per_class, 2), ("--k", k, 2)):
+        if v < lo:
+            raise typer.BadParameter(f"{v} is below the minimum {lo}", param_hint=name)
+    if seq_len is not None and seq_len < 2:
+        raise typer.BadParameter(f"{seq_len} is below the minimum 2", param_hint="--seq-len")
+    word_list = [w.strip() for w in words.split(",") if w.strip()] if words else None
+    taken: set[str] = set()
+    labels = [_label(p, taken) for p in runs]
+    options = {"checkpoint": checkpoint, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
+               "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class, "seed": seed}
+    measured = []
+    with console.progress(quiet) as bar:
+        for p, label in zip(runs, labels, strict=True):
+            measured.append(measure_run(p, label=label, device=device, bar=bar, **options))
+
+    written = []
+    for r in measured:  # each run's own report
+        single = {"provenance": provenance(r["run"], seed=seed, checkpoint=r["checkpoint"], step=r["step"],
+                                           command="collapse-report", options=options), "runs": [r]}
+        reports = Path(r["run"]) / "reports"
+        written.append(write_report(reports, "collapse", single, all_rows(single))["json"])
+        if not no_plots:
+            from cemtool.plots.collapse import plot_collapse
+
+            plot_collapse(single, Path(r["run"]) / "plots", "collapse")
+    payload = {"provenance": provenance(None, seed=seed, command="collapse-report", options=options,
+                                        runs=[r["run"] for r in measured]), "runs": measured}
+    if len(measured) > 1:
+        reports_dir = out if out is not None else Path(measured[0]["run"]) / "reports"
+        plots_dir = out / "plots" if out is not None else Path(measured[0]["run"]) / "plots"
+        written.append(write_report(reports_dir, "collapse_compare", payload, all_rows(payload))["json"])
+        if not no_plots:
+            from cemtool.plots.collapse import plot_collapse
+
+            plot_collapse(payload, plots_dir, "collapse_compare")
+    if json_:
+        console.print_json([{"run": r["label"], "arch": r["arch"], **s} for r in measured for s in r["summary"]])
+        return
+    print_summary(payload)
+    for w in written:
+        console.result(f"wrote {w} (+ .csv)")
