@@ -8,6 +8,7 @@ import torch
 
 from cemtool.config import RunConfig, replace, resolve
 from cemtool.models.allocation import attention_budget, describe_allocation
+from cemtool.models.layers import mlp_hidden
 from cemtool.models.lm import flops_per_token, lm_loss
 from cemtool.models.registry import archs, build_model
 
@@ -46,7 +47,8 @@ def arch_row(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq
            "attn_budget": attention_budget(cfg.model),
            "layer_shapes": [f"{s['heads']}x{s['head_dim']}" for s in describe_allocation(cfg.model)["shapes"]],
            "flops_forward": fl["forward"], "flops_train": fl["train"],
-           "n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model}
+           "n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model,
+           "mlp_hidden": mlp_hidden(cfg.model.d_model, cfg.model.mlp, cfg.model.mlp_hidden)}
     if timed:
         row["seconds_per_step"] = seconds_per_step(model, vocab, seq_len)
     return row
@@ -56,3 +58,57 @@ def arch_table(overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int
                only: list[str] | None = None) -> list[dict]:
     names = only or sorted(archs(), key=lambda n: (archs()[n].family, n))
     return [arch_row(n, overrides, vocab, seq_len, timed) for n in names]
+
+
+def target_size(ref: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> dict:
+    """Parameters and FLOPs/token of a reference: an architecture name (at the given size) or a run directory."""
+    from pathlib import Path
+
+    from cemtool.runs import is_run, open_run
+
+    if is_run(Path(ref)):
+        cfg = open_run(ref).config()
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        n = model.num_params()
+        fl = flops_per_token(model, cfg.data.seq_len)
+        return {"ref": ref, "arch": cfg.model.arch, "params": n["total"], "non_embedding": n["non_embedding"],
+                "flops_train": fl["train"], "vocab": cfg.model.vocab_size, "seq_len": cfg.data.seq_len}
+    row = arch_row(ref, overrides, vocab, seq_len)
+    return {"ref": ref, **row, "vocab": vocab, "seq_len": seq_len}
+
+
+def match_width(target: dict, by: str = "params", arch: str = "baseline", overrides: list[str] | tuple = ()) -> dict:
+    """The d_model (head count fixed, head size d_model/n_head kept even) at which ``arch`` comes closest to the
+    target's non-embedding parameters (by='params') or training FLOPs per token (by='flops')."""
+    key = {"params": "non_embedding", "flops": "flops_train"}[by]
+    base = sized_config(arch, overrides, target["vocab"], target["seq_len"])
+    step = 2 * base.model.n_head
+    best = None
+    for d in range(step, 8 * base.model.d_model + 1, step):
+        row = arch_row(arch, [*overrides, f"model.d_model={d}", "model.head_dim=0"], target["vocab"],
+                       target["seq_len"])
+        err = row[key] / target[key] - 1
+        if best is None or abs(err) < abs(best["rel_error"]):
+            best = {"d_model": d, "rel_error": err, "row": row}
+        if row[key] > target[key] * 1.5:
+            break
+    # refine with the MLP width: the count is linear in it, so two evaluations find the best multiple of 8
+    d = best["d_model"]
+    m0 = best["row"].get("mlp_hidden") or 0
+    r0 = arch_row(arch, [*overrides, f"model.d_model={d}", "model.head_dim=0", f"model.mlp_hidden={m0}"],
+                  target["vocab"], target["seq_len"])
+    r1 = arch_row(arch, [*overrides, f"model.d_model={d}", "model.head_dim=0", f"model.mlp_hidden={m0 + 64}"],
+                  target["vocab"], target["seq_len"])
+    slope = (r1[key] - r0[key]) / 64
+    if slope > 0:
+        m = max(8, int(round((m0 + (target[key] - r0[key]) / slope) / 8)) * 8)
+        row = arch_row(arch, [*overrides, f"model.d_model={d}", "model.head_dim=0", f"model.mlp_hidden={m}"],
+                       target["vocab"], target["seq_len"])
+        err = row[key] / target[key] - 1
+        if abs(err) < abs(best["rel_error"]):
+            best = {"d_model": d, "mlp_hidden": m, "rel_error": err, "row": row}
+    best["overrides"] = [f"model.d_model={d}"] + ([f"model.mlp_hidden={best['mlp_hidden']}"]
+                                                   if "mlp_hidden" in best else [])
+    best["by"] = by
+    return best

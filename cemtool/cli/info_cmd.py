@@ -41,10 +41,30 @@ def archs(
     time: Annotated[bool, typer.Option("--time", help="also measure seconds per training step (CPU, batch 8)")]
     = False,
     only: Annotated[Optional[list[str]], typer.Option("--arch", help="only these architectures")] = None,
+    match_params: Annotated[Optional[str], typer.Option(help="size a baseline (--match-arch) to the non-embedding "
+                                                         "parameters of this architecture or run")] = None,
+    match_flops: Annotated[Optional[str], typer.Option(help="size a baseline to the training FLOPs/token of this "
+                                                        "architecture or run")] = None,
+    match_arch: Annotated[str, typer.Option(help="the architecture to resize when matching")] = "baseline",
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """List the registered architectures with parameters and FLOPs per token at a given size."""
-    from cemtool.analysis.compute import arch_table
+    """List the registered architectures with parameters and FLOPs per token at a given size.
+
+    With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
+    from cemtool.analysis.compute import arch_table, match_width, target_size
+
+    if match_params or match_flops:
+        by, ref = ("params", match_params) if match_params else ("flops", match_flops)
+        target = target_size(ref, set_ or [], vocab, seq_len)
+        best = match_width(target, by, match_arch, set_ or [])
+        if json_:
+            console.print_json({"target": target, **{k: v for k, v in best.items()}})
+            return
+        key = "non_embedding" if by == "params" else "flops_train"
+        console.result(f"{match_arch} with {' '.join('--set ' + o for o in best['overrides'])} has {best['row'][key]:,.0f} "
+                       f"{'non-embedding parameters' if by == 'params' else 'training FLOPs/token'} vs "
+                       f"{target[key]:,.0f} of {ref} ({best['rel_error']:+.2%})")
+        return
 
     rows = arch_table(overrides=set_ or [], vocab=vocab, seq_len=seq_len, timed=time, only=only)
     if json_:

@@ -75,6 +75,10 @@ def train(
     resume: Annotated[Optional[Path], typer.Option(help="continue this killed/interrupted run from its newest "
                                                    "checkpoint")] = None,
     force: Annotated[bool, typer.Option(help="if --out already holds a run, move it aside and start anew")] = False,
+    match_params: Annotated[Optional[str], typer.Option(help="resize this architecture's width (and MLP width) to "
+                                                         "the non-embedding parameters of an arch or run")] = None,
+    match_flops: Annotated[Optional[str], typer.Option(help="resize to the training FLOPs/token of an arch or run")]
+    = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
@@ -90,7 +94,7 @@ def train(
     quiet = quiet or rank != 0
     dev = pick_device(device)
     if resume is not None:
-        if arch or data or config or set_ or seed is not None or out or force:
+        if arch or data or config or set_ or seed is not None or out or force or match_params or match_flops:
             raise typer.BadParameter("--resume continues a run as configured; it takes no other config options",
                                      param_hint="--resume")
         run = open_run(resume, lock=rank == 0)
@@ -108,6 +112,15 @@ def train(
             raise CemtoolError("under torchrun give --out so that every process agrees on the run directory")
         out = out or default_out(cfg.model.arch, cfg.seed)
         corpus = load_corpus(cfg.data)
+        if match_params or match_flops:
+            from cemtool.analysis.compute import match_width, target_size
+
+            by, ref = ("params", match_params) if match_params else ("flops", match_flops)
+            target = target_size(ref, set_ or [], corpus.tokenizer.vocab_size, cfg.data.seq_len)
+            best = match_width(target, by, cfg.model.arch, set_ or [])
+            cfg = resolve(arch=arch, file=config, overrides=[*(set_ or []), *best["overrides"]], seed=seed,
+                          data_source=data)
+            console.info(f"matched {by} of {ref}: {' '.join(best['overrides'])} ({best['rel_error']:+.2%})", quiet)
         cfg = finalize_model_config(cfg, corpus)
         writer = None
         if rank == 0:
