@@ -61,7 +61,8 @@ def archs(
             console.print_json({"target": target, **{k: v for k, v in best.items()}})
             return
         key = "non_embedding" if by == "params" else "flops_train"
-        console.result(f"{match_arch} with {' '.join('--set ' + o for o in best['overrides'])} has {best['row'][key]:,.0f} "
+        flags = " ".join("--set " + o for o in best["overrides"])
+        console.result(f"{match_arch} with {flags} has {best['row'][key]:,.0f} "
                        f"{'non-embedding parameters' if by == 'params' else 'training FLOPs/token'} vs "
                        f"{target[key]:,.0f} of {ref} ({best['rel_error']:+.2%})")
         return

@@ -218,21 +218,18 @@ class Substep(nn.Module):
     def adaptive_direction(self, g, streams, k) -> tuple[torch.Tensor, dict]:
         """adam/adamw: m / (sqrt(s) + 1e-8); rmsprop: g / (sqrt(s) + 1e-8)."""
         s = k["beta2"] * streams["s"] + (1 - k["beta2"]) * g.square()  # (B, T, d) > 0
-        new = {**streams, "s": s}
         if self.variant == "rmsprop":
-            m = g
-        else:
-            m = new["m"] = k["beta1"] * streams["m"] + (1 - k["beta1"]) * g  # (B, T, d)
-        return m / (s.sqrt() + ADAM_EPS), new
+            return g / (s.sqrt() + ADAM_EPS), {**streams, "s": s}
+        m = k["beta1"] * streams["m"] + (1 - k["beta1"]) * g  # (B, T, d)
+        return m / (s.sqrt() + ADAM_EPS), {**streams, "m": m, "s": s}
 
     def orthogonal_direction(self, g, streams, k) -> tuple[torch.Tensor, dict]:
         """muon: NS(m) with m <- beta m + (1 - beta) g; ortho: NS(g); per token as an (H, d_h) matrix."""
         B, T, d = g.shape
         new = dict(streams)
-        m = g if self.variant == "ortho" else k["beta"] * streams["m"] + (1 - k["beta"]) * g  # (B, T, d)
         if self.variant == "muon":
-            new["m"] = m
-        Y = newton_schulz(m.view(B, T, *self.layout), self.ns_steps)  # (B, T, H, d_h)
+            g = new["m"] = k["beta"] * streams["m"] + (1 - k["beta"]) * g  # (B, T, d) the momentum
+        Y = newton_schulz(g.reshape(B, T, *self.layout), self.ns_steps)  # (B, T, H, d_h)
         return Y.reshape(B, T, d), new
 
     def preconditioned_direction(self, g, streams, k) -> tuple[torch.Tensor, dict]:

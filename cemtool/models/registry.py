@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from cemtool.errors import CemtoolError
 
 FAMILY_MODULES = ["cemtool.models.baseline", "cemtool.models.cem", "cemtool.models.momentum",
-                  "cemtool.models.lime"]
+                  "cemtool.models.lime", "cemtool.models.allocation"]
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,7 @@ def _load() -> None:
     if not _loaded:
         _loaded = True
         for mod in FAMILY_MODULES:
-            try:
-                importlib.import_module(mod)
-            except ModuleNotFoundError as e:  # a family still being written
-                if e.name != mod:
-                    raise
+            importlib.import_module(mod)
 
 
 def archs() -> dict[str, ArchSpec]:
