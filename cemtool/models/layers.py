@@ -27,7 +27,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)  # (..., d)
 
 
 def make_norm(kind: str, d: int, eps: float) -> nn.Module:
