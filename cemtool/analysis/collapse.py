@@ -51,19 +51,27 @@ ABOVE = 0.9  # a row "saturates" when its largest probability exceeds this
 # spectra: entropy, effective rank, cosine
 
 
+def clean_spectrum(eigs: torch.Tensor) -> torch.Tensor:
+    """Eigenvalues of a PSD matrix with rounding noise removed: negatives and those below m * eps * max (the
+    numerical-rank threshold) set to 0. Orders alpha < 1 would otherwise count noise eigenvalues (~1e-16)."""
+    eigs = eigs.double().clamp_min(0.0)
+    tol = eigs.shape[-1] * torch.finfo(torch.float64).eps * eigs.amax(-1, keepdim=True)
+    return torch.where(eigs > tol, eigs, torch.zeros_like(eigs))
+
+
 def gram_eigenvalues(X: torch.Tensor) -> torch.Tensor:
     """Eigenvalues (clamped >= 0) of the Gram matrix X Xᵀ of X (..., T, D), via the smaller of X Xᵀ and XᵀX (same
     nonzero spectrum); float64; (..., min(T, D))."""
     X = X.double()
     G = X @ X.transpose(-2, -1) if X.shape[-2] <= X.shape[-1] else X.transpose(-2, -1) @ X  # (..., m, m)
-    return torch.linalg.eigvalsh(G).clamp_min(0.0)
+    return clean_spectrum(torch.linalg.eigvalsh(G))
 
 
 def renyi_entropy(eigs: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
     """Rényi entropy of p = eigs / sum(eigs) along the last axis; alpha == 1 is Shannon (nats)."""
     if alpha <= 0:
         raise ValueError("the Rényi order alpha must be > 0")
-    eigs = eigs.double().clamp_min(0.0)
+    eigs = clean_spectrum(eigs)
     p = eigs / eigs.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # (..., m)
     if abs(alpha - 1.0) < 1e-12:
         return torch.special.entr(p).sum(-1)  # -sum p log p, with 0 log 0 = 0
@@ -520,7 +528,7 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
                 point = "attn.v" if kind == "values" else "resid_post"
                 entry[kind] = f"not applicable: this architecture has no hook point blocks.{i}.{point}"
                 continue
-            evals = torch.linalg.eigvalsh(a.second[kind]).clamp_min(0.0)
+            evals = clean_spectrum(torch.linalg.eigvalsh(a.second[kind]))
             d: dict = {"dim": int(a.moments[kind].sum.numel()),
                        "entropy": a.stat(f"{kind}.entropy").summary(),
                        "erank_seq": a.stat(f"{kind}.erank_seq").summary(),

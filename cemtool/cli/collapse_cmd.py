@@ -164,7 +164,7 @@ def collapse_report_cmd(
                                            command="collapse-report", options=options), "runs": [r]}
         reports = Path(r["run"]) / "reports"
         written.append(write_report(reports, "collapse", single, all_rows(single))["json"])
-        if not no_plots:
+        if not no_plots and len(measured) == 1:  # several runs: the comparison's figures show each of them
             from cemtool.plots.collapse import plot_collapse
 
             plot_collapse(single, Path(r["run"]) / "plots", "collapse")

@@ -122,19 +122,24 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     return corpus
 
 
-def _grammar(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
-    from cemtool.data.grammar import GRAMMAR_VERSION, default_grammar
+def _grammar(cfg: DataConfig, tokenizer: Tokenizer | None, name: str = "grammar") -> Corpus:
+    from cemtool.data.grammar import GRAMMAR_VERSION, GRAMMARS
 
     if cfg.tokenizer not in ("auto", "word"):
-        raise CemtoolError(f"data.tokenizer={cfg.tokenizer!r} does not apply to the grammar corpus",
+        raise CemtoolError(f"data.tokenizer={cfg.tokenizer!r} does not apply to the {name} corpus",
                            hint="it has its own word vocabulary; use data.tokenizer=auto or word")
-    g = default_grammar()
+    g = GRAMMARS[name]()
+    ids = {w: i for i, w in enumerate(g.vocab)}
+    if tokenizer is not None and (tokenizer.kind != "word" or tokenizer.hf.get_vocab() != ids):
+        raise CemtoolError(f"the {name} corpus cannot be read with this {tokenizer.kind} tokenizer: its token ids "
+                           f"are the grammar's own word vocabulary",
+                           hint="use a run trained on a grammar corpus (word tokenizer)")
     tok = tokenizer or word_tokenizer(g.vocab)
     train = g.sample(cfg.train_tokens, seed=2 * cfg.seed)
     val = g.sample(cfg.val_tokens, seed=2 * cfg.seed + 1)
-    info = {"source": "grammar", "grammar": g.describe(), "grammar_version": GRAMMAR_VERSION,
+    info = {"source": name, "grammar": g.describe(), "grammar_version": GRAMMAR_VERSION,
             "train_tokens": int(len(train.tokens)), "val_tokens": int(len(val.tokens)), "tokenizer": "word"}
-    return Corpus("grammar", tok, train.tokens, val.tokens, train.sentence_starts, val.sentence_starts,
+    return Corpus(name, tok, train.tokens, val.tokens, train.sentence_starts, val.sentence_starts,
                   val.nll, g.entropy_rate(), info)
 
 
@@ -170,6 +175,7 @@ def _pydoc(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
 
 
 register_source("grammar", _grammar)
+register_source("grammar-b", lambda cfg, tok: _grammar(cfg, tok, "grammar-b"))
 register_source("pydoc", _pydoc)
 
 
@@ -258,3 +264,5 @@ def text_corpus(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
 
 
 __all__ = ["Corpus", "batch_starts", "load_corpus", "load_tokenizer", "register_source", "sources", "windows"]
+
+import cemtool.data.synthetic  # noqa: E402,F401  (registers the "ngram" source)

@@ -22,6 +22,11 @@ Word choice within a category (nouns, adjectives, verbs, ...) is Zipf-distribute
 default grammar (``describe()``): 483 words, entropy rate 3.183 nats/token, mean sentence length 8.93 tokens,
 60 % of the entropy being lexical choice and 40 % (1.26 nats/token) structure.
 
+A second built-in grammar, ``grammar-b`` (:func:`grammar_b`), is the target of forgetting experiments: the same
+rules and words (hence the same word tokenizer), with flattened rule probabilities and the Zipf ranking of the
+words within each category reversed; entropy rate 3.227 nats/token, mean sentence length 12.32 tokens, and a
+unigram distribution at total-variation distance 0.59 from the default's.
+
 Exactness
 ---------
 The grammar is *strong LL(1)* at the word level, and this is verified when a :class:`Grammar` is built: for every
@@ -647,6 +652,39 @@ def _default_rules(max_depth: int) -> dict[str, list[tuple[float, list[str]]]]:
 def default_grammar() -> Grammar:
     """The built-in corpus grammar (cached)."""
     return Grammar("grammar", "S", _default_rules(MAX_DEPTH), _default_lexicon(), info={"max_depth": MAX_DEPTH})
+
+
+# ---------------------------------------------------------------------- grammar-b (a second distribution)
+
+B_TEMPER = 0.5  # grammar-b's structural rule probabilities are p ** B_TEMPER, renormalised
+
+
+def _tempered(rules: Rules, power: float) -> dict[str, list[tuple[float, Sequence[str]]]]:
+    """Every alternative's probability raised to ``power`` (the Grammar renormalises): < 1 flattens each choice."""
+    return {lhs: [(p ** power, rhs) for p, rhs in alts] for lhs, alts in rules.items()}
+
+
+def _reranked(lexicon: Lexicon) -> dict[str, list[tuple[str, float]]]:
+    """The Zipf ranking reversed within every word category: the k-th most frequent word takes the weight of the
+    k-th rarest (the set of words, hence the vocabulary and its ids, is unchanged)."""
+    return {cat: [(w, wt) for (w, _), (_, wt) in zip(words, reversed(words), strict=True)]
+            for cat, words in lexicon.items()}
+
+
+@functools.cache
+def grammar_b() -> Grammar:
+    """The built-in ``grammar-b`` corpus, the target of forgetting experiments (METHODS §7) for models trained on
+    ``grammar``: the same rules and the same words (so the same word tokenizer and token ids), but another
+    distribution. Structural choices are flattened (each rule probability p -> p ** 0.5, renormalised: more
+    adjectives, modifiers, relative clauses, modals) and the Zipf ranking of the words within every category is
+    reversed (the rarest noun becomes the most frequent, ...). Its rules are those of the default grammar, so it is
+    strong LL(1) too and its entropy floor is exact (``describe()``)."""
+    return Grammar("grammar-b", "S", _tempered(_default_rules(MAX_DEPTH), B_TEMPER), _reranked(_default_lexicon()),
+                   info={"max_depth": MAX_DEPTH, "derived_from": "grammar", "rule_temper": B_TEMPER,
+                         "lexicon": "Zipf ranking reversed within each category"})
+
+
+GRAMMARS = {"grammar": default_grammar, "grammar-b": grammar_b}  # data source name -> grammar
 
 
 @functools.cache

@@ -1,0 +1,464 @@
+"""Softmax saturation and the allocation of heads and head sizes (METHODS §4).
+
+Two kinds of evidence, and advice drawn from them:
+
+1. **Trained model** (:func:`rank_truncation`): for each layer and head, truncate the head's bilinear score form
+   to rank r and record the loss increase on a fixed evaluation set; also every head of a layer at once, which
+   says which layers tolerate low rank. Plus the attention-logit spread per query position (context length).
+2. **Sweep** (:func:`sweep_grid`, :func:`summarise_sweep`): final loss of small models trained over a grid of head
+   sizes d_h at a fixed budget H d_h, per sequence length T; the marginal gain per doubling of d_h and the head
+   size where it falls below a threshold (the saturation point). The training itself is done by the caller
+   (``cemtool saturation sweep`` uses ``cemtool.train``): analysis never trains.
+3. **Advice** (:func:`allocation_advice`): a per-layer (heads, head_dims) schedule at the same budget, as a config
+   fragment ``cemtool train --config`` accepts.
+
+The truncation [decision, documented in docs/saturation.md]
+----------------------------------------------------------
+A head scores ``s_ij = beta q_iᵀ R_{j-i} k_j`` with pre-RoPE queries ``q = L_q u`` and keys ``k = L_k w``
+(``L_q``, ``L_k``: d_h x n factors; for a baseline head ``L_q = W_Qʰ``, ``L_k = W_Kʰ`` and ``u = w = LN x``;
+``R`` is the RoPE rotation, the identity with learned positions). Truncation replaces the queries by ``P q`` with a
+d_h x d_h matrix ``P`` of rank r, applied at the ``attn.q`` hook point, so values, output projection and everything
+else are untouched (this matters for CEM, whose W_Q is also the output projection). At r = d_h no truncation
+is applied; the computed ``P`` is then the identity up to rounding.
+
+- Without RoPE the form is the d x d matrix ``M = L_qᵀ L_k`` and ``P = L_q U_r U_rᵀ L_q⁺`` (U_r: top-r left
+  singular vectors of M) gives ``L_qᵀ Pᵀ L_k = U_r U_rᵀ M``, the best rank-r approximation of M (Eckart–Young).
+- With RoPE the form is ``L_qᵀ R_Δ L_k`` for every offset Δ, and an SVD of ``L_qᵀ L_k`` ignores the rotation. The
+  truncations that commute with every rotation are the selections of RoPE planes (pairs (p, p + d_h/2), each with
+  its own frequency), so ``P`` keeps the r/2 planes (r rounded down to even) with the largest
+  ``|L_q,p|_F |L_k,p|_F``. Averaged over offsets, the planes' forms are orthogonal and plane p contributes
+  ``|L_q,p|_F^2 |L_k,p|_F^2 / 2`` to the squared Frobenius norm, so this is the best rank-r RoPE-compatible
+  truncation in the offset-averaged Frobenius sense.
+- Factors (``basis``): ``weights`` takes them from the parameters: W_Qʰ, W_Kʰ (baseline, momentum, CEM — a CEM
+  dplr head's diagonal term is left in place); LIMe static: the routed key of head r is
+  ``sum_j W[r, j] K_j``, so ``L_k = [W[r, j] W_K^{(j)}]_j`` over every source head j (their inputs stacked);
+  LIMe softmax: ``L_k = [p_{h,m} W_Kʰ]_m``. ``data`` takes them from the evaluation set: ``L = Σ^{1/2}`` with
+  ``Σ = E[q qᵀ]`` (resp. keys) per head, i.e. the best truncation for the queries and keys the model actually
+  sees. ``auto`` = weights where they define the form, else data (the LIMe dynamic router).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cemtool.analysis.collapse import attention_row_stats
+from cemtool.errors import CemtoolError
+from cemtool.models.capture import capture, hook_points
+from cemtool.models.lm import lm_loss
+
+# --------------------------------------------------------------------------------------------------------------
+# the truncation of one head
+
+
+def svd_projection(Lq: torch.Tensor, Lk: torch.Tensor, r: int) -> torch.Tensor:
+    """P (d_h, d_h) with Lqᵀ Pᵀ Lk = the best rank-r approximation of Lqᵀ Lk (no RoPE). Lq (d_h, n), Lk (d_h, m)."""
+    Lq, Lk = Lq.double(), Lk.double()
+    dh = Lq.shape[0]
+    if r <= 0:
+        return torch.zeros(dh, dh, dtype=torch.float64)
+    M = Lq.T @ Lk  # (n, m) the bilinear form
+    U, _, _ = torch.linalg.svd(M, full_matrices=False)  # (n, min(n, m))
+    Ur = U[:, :r]  # (n, r)
+    return Lq @ Ur @ Ur.T @ torch.linalg.pinv(Lq)  # (d_h, d_h)
+
+
+def rope_planes(Lq: torch.Tensor, Lk: torch.Tensor) -> torch.Tensor:
+    """Offset-averaged weight |L_q,p|_F |L_k,p|_F of each RoPE plane p = (p, p + d_h/2); (d_h/2,)."""
+    half = Lq.shape[0] // 2
+    nq = Lq.double().pow(2).sum(1)  # (d_h,)
+    nk = Lk.double().pow(2).sum(1)
+    return ((nq[:half] + nq[half:]) * (nk[:half] + nk[half:])).sqrt()
+
+
+def rope_projection(Lq: torch.Tensor, Lk: torch.Tensor, r: int) -> torch.Tensor:
+    """P (d_h, d_h): the diagonal selection of the r // 2 heaviest RoPE planes (commutes with every rotation)."""
+    dh = Lq.shape[0]
+    half = dh // 2
+    keep = torch.zeros(half, dtype=torch.float64)
+    n = max(0, min(r // 2, half))
+    if n:
+        keep[torch.argsort(rope_planes(Lq, Lk), descending=True, stable=True)[:n]] = 1.0
+    return torch.diag(torch.cat([keep, keep]))
+
+
+def head_projection(Lq: torch.Tensor, Lk: torch.Tensor, r: int, rope: bool) -> torch.Tensor:
+    return rope_projection(Lq, Lk, r) if rope else svd_projection(Lq, Lk, r)
+
+
+def effective_form(Lq: torch.Tensor, Lk: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """The truncated bilinear form Lqᵀ Pᵀ Lk (without rotation)."""
+    return Lq.double().T @ P.T @ Lk.double()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the factors of every head
+
+
+@dataclass
+class LayerHeads:
+    """A layer's attention as truncation sees it."""
+
+    layer: int
+    heads: int
+    head_dim: int
+    rope: bool
+    q_point: str  # the hook point of the pre-RoPE queries
+
+
+def attention_layers(model: torch.nn.Module) -> tuple[list[LayerHeads], dict[int, str]]:
+    """The layers whose queries can be truncated, and for the others why not."""
+    points = hook_points(model)
+    out, skipped = [], {}
+    for i, block in enumerate(getattr(model, "blocks", [])):
+        attn = getattr(block, "attn", None)
+        name = f"blocks.{i}.attn.q"
+        if attn is None or name not in points or not hasattr(attn, "head_dim"):
+            skipped[i] = "not applicable: no attention with a blocks.<i>.attn.q hook point"
+            continue
+        out.append(LayerHeads(i, attn.n_head, attn.head_dim, getattr(attn, "rotary", None) is not None, name))
+    return out, skipped
+
+
+def _rows(w: torch.Tensor, h: int, dh: int) -> torch.Tensor:
+    return w[h * dh:(h + 1) * dh].detach().double().cpu()  # (d_h, d)
+
+
+def weight_factors(model: torch.nn.Module, lh: LayerHeads) -> list[tuple[torch.Tensor, torch.Tensor]] | str:
+    """(L_q, L_k) per head from the parameters, or a string saying why the weights do not define the form."""
+    block = model.blocks[lh.layer]
+    attn = block.attn
+    if not hasattr(attn, "wq") or not hasattr(attn, "wk"):
+        return "the attention has no wq/wk projections"
+    dh, H = lh.head_dim, lh.heads
+    router = getattr(block, "lime", None)
+    lime_variant = model.cfg.lime.variant if router is not None else None
+    if lime_variant is None or lh.layer == 0:
+        return [(_rows(attn.wq.weight, h, dh), _rows(attn.wk.weight, h, dh)) for h in range(H)]
+    if lime_variant == "static":
+        W = model.routing_weights()[lh.layer].double().cpu()  # (R, sum of heads of layers 0..l)
+        sources = [(m, h) for m in range(lh.layer + 1) for h in range(model.blocks[m].attn.n_head)]
+        Ks = [_rows(model.blocks[m].attn.wk.weight, h, dh) for m, h in sources]  # each (d_h, d)
+        return [(_rows(attn.wq.weight, r, dh), torch.cat([W[r, j] * K for j, K in enumerate(Ks)], dim=1))
+                for r in range(H)]
+    if lime_variant == "softmax":
+        p = model.routing_weights()[lh.layer].double().cpu()  # (H, l+1)
+        return [(_rows(attn.wq.weight, h, dh), torch.cat([p[h, m] * _rows(attn.wk.weight, h, dh)
+                                                           for m in range(p.shape[1])], dim=1)) for h in range(H)]
+    return f"the LIMe {lime_variant} router mixes per token"
+
+
+def _sqrt_psd(S: torch.Tensor) -> torch.Tensor:
+    e, U = torch.linalg.eigh(S.double())
+    return (U * e.clamp_min(0.0).sqrt()) @ U.T
+
+
+@torch.no_grad()
+def data_factors(model: torch.nn.Module, layers: list[LayerHeads], inputs: torch.Tensor, batch_size: int,
+                 device) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(Σ_q^{1/2}, Σ_k^{1/2}) per head from the second moments of the pre-RoPE queries and keys."""
+    names = [lh.q_point for lh in layers] + [lh.q_point[:-1] + "k" for lh in layers]
+    names = [n for n in names if n in hook_points(model)]
+    sums: dict[str, torch.Tensor] = {}
+
+    def moment(name: str, x: torch.Tensor) -> None:
+        x = x.double()  # (B, H, T, d_h)
+        sums[name] = sums.get(name, 0) + torch.einsum("bhti,bhtj->hij", x, x).cpu()
+        return None
+
+    with capture(model, names, transform=moment):
+        for i in range(0, len(inputs), batch_size):
+            model(inputs[i:i + batch_size].to(device))
+    out = {}
+    for lh in layers:
+        k_name = lh.q_point[:-1] + "k"
+        if lh.q_point in sums and k_name in sums:
+            out[lh.layer] = [(_sqrt_psd(sums[lh.q_point][h]), _sqrt_psd(sums[k_name][h])) for h in range(lh.heads)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# evaluation under truncation
+
+
+@contextmanager
+def truncated(model: torch.nn.Module, projections: dict[int, torch.Tensor]) -> Iterator[None]:
+    """Replace the pre-RoPE queries of layer i by P q, head by head: projections {layer: (H, d_h, d_h)}."""
+    handles = []
+    points = hook_points(model)
+    for i, P in projections.items():
+        def hook(_mod, _inp, q, P=P):
+            Pd = P.to(device=q.device, dtype=q.dtype)
+            return torch.einsum("bhtd,hed->bhte", q, Pd)  # (B, H, T, d_h)
+        handles.append(points[f"blocks.{i}.attn.q"].register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 32,
+              device="cpu") -> float:
+    """Mean next-token loss (nats) over windows (n, T)."""
+    total, count = 0.0, 0
+    for i in range(0, len(inputs), batch_size):
+        x, y = inputs[i:i + batch_size].to(device), targets[i:i + batch_size].to(device)
+        total += float(lm_loss(model(x), y, reduction="sum"))
+        count += y.numel()
+    return total / count
+
+
+def default_ranks(head_dim: int, rope: bool) -> list[int]:
+    """0, then powers of two (even ones with RoPE) below d_h, then d_h."""
+    ranks, r = [0], (2 if rope else 1)
+    while r < head_dim:
+        ranks.append(r)
+        r *= 2
+    return ranks + [head_dim]
+
+
+@torch.no_grad()
+def logit_spread(model: torch.nn.Module, inputs: torch.Tensor, batch_size: int, device) -> dict:
+    """Per layer and head, the attention-logit spread (max - min and std over keys) vs context length t + 1."""
+    names = [n for n in hook_points(model) if n.endswith(".attn.pattern")]
+    if not names:
+        return {}
+    sums: dict[str, torch.Tensor] = {}
+    with capture(model, names, transform=lambda n, p: attention_row_stats(p)) as cache:
+        for i in range(0, len(inputs), batch_size):
+            cache.clear()
+            model(inputs[i:i + batch_size].to(device))
+            for n in names:
+                if n in cache:
+                    sums[n] = sums.get(n, 0) + cache[n]
+    out = {}
+    n_seq = len(inputs)
+    for n, s in sums.items():
+        layer = int(n.split(".")[1])
+        m = (s / n_seq).numpy()  # (6, H, T)
+        out[layer] = {"logit_range": m[3].tolist(), "logit_std": m[4].tolist(),
+                      "underflow": m[5].tolist(), "context_length": list(range(1, m.shape[2] + 1))}
+    return out
+
+
+@torch.no_grad()
+def rank_truncation(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, *,
+                    ranks: Sequence[int] | None = None, basis: str = "auto", tolerance: float = 0.01,
+                    per_head: bool = True, batch_size: int = 32, device="cpu",
+                    progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Loss increase when heads' score forms are truncated to rank r (one head at a time and a whole layer at
+    once), per layer the smallest rank whose increase stays within ``tolerance`` nats, and the logit spread.
+
+    Returns a JSON-able dict keyed by layer (``layers``), with ``base_loss`` and the token count.
+    """
+    if basis not in ("auto", "weights", "data"):
+        raise CemtoolError(f"basis={basis!r}: choose auto, weights or data")
+    if not tolerance >= 0:
+        raise CemtoolError(f"tolerance={tolerance} must be >= 0 nats")
+    model.eval()
+    layers, skipped = attention_layers(model)
+    if not layers:
+        raise CemtoolError("no layer of this model has truncatable attention (no blocks.<i>.attn.q hook point)")
+    base = mean_loss(model, inputs, targets, batch_size, device)
+    factors: dict[int, list] = {}
+    basis_used: dict[int, str] = {}
+    need_data = []
+    for lh in layers:
+        f = weight_factors(model, lh) if basis != "data" else "data basis requested"
+        if isinstance(f, str):
+            if basis == "weights":
+                skipped[lh.layer] = f"not applicable with basis=weights: {f}"
+                continue
+            need_data.append(lh)
+            basis_used[lh.layer] = "data" if basis == "data" else f"data ({f})"
+        else:
+            factors[lh.layer] = f
+            basis_used[lh.layer] = "weights"
+    if need_data:
+        factors.update(data_factors(model, need_data, inputs, batch_size, device))
+    todo = [lh for lh in layers if lh.layer in factors]
+    jobs = sum(len(ranks or default_ranks(lh.head_dim, lh.rope)) * ((lh.heads if per_head else 0) + 1)
+               for lh in todo)
+    done = 0
+    result_layers = []
+    for lh in todo:
+        rks = sorted({int(r) for r in (ranks or default_ranks(lh.head_dim, lh.rope)) if 0 <= r <= lh.head_dim})
+        if lh.head_dim not in rks:
+            rks.append(lh.head_dim)
+        eye = torch.eye(lh.head_dim, dtype=torch.float64)
+        Ps = {r: [head_projection(Lq, Lk, r, lh.rope) if r < lh.head_dim else eye for Lq, Lk in factors[lh.layer]]
+              for r in rks}
+        heads = []
+        for h in range(lh.heads if per_head else 0):
+            curve = []
+            for r in rks:
+                if r == lh.head_dim:
+                    curve.append(0.0)
+                else:
+                    P = torch.stack([Ps[r][j] if j == h else eye for j in range(lh.heads)])  # (H, d_h, d_h)
+                    with truncated(model, {lh.layer: P}):
+                        curve.append(mean_loss(model, inputs, targets, batch_size, device) - base)
+                done += 1
+                if progress:
+                    progress("truncation", done, jobs)
+            heads.append({"head": h, "loss_increase": curve})
+        whole = []
+        for r in rks:
+            if r == lh.head_dim:
+                whole.append(0.0)
+            else:
+                with truncated(model, {lh.layer: torch.stack(Ps[r])}):
+                    whole.append(mean_loss(model, inputs, targets, batch_size, device) - base)
+            done += 1
+            if progress:
+                progress("truncation", done, jobs)
+        tolerated = next(r for r, inc in zip(rks, whole, strict=True) if inc <= tolerance)
+        below = [inc for r, inc in zip(rks, whole, strict=True) if r < lh.head_dim]
+        result_layers.append({"layer": lh.layer, "heads": lh.heads, "head_dim": lh.head_dim, "rope": lh.rope,
+                              "truncation": "rope planes" if lh.rope else "svd", "basis": basis_used[lh.layer],
+                              "ranks": rks, "per_head": heads, "layer_loss_increase": whole,
+                              "tolerated_rank": tolerated,
+                              "sensitivity": float(np.mean(below)) if below else 0.0})
+    notes = {str(i): why for i, why in sorted(skipped.items())}
+    if getattr(model, "family", "") == "cem" and model.cfg.cem.dplr:
+        notes["dplr"] = "CEM dplr: only the low-rank part W_Qᵀ W_K is truncated; the diagonal term stays"
+    return {"measure": "saturation", "base_loss": base, "tokens": int(targets.numel()), "tolerance": tolerance,
+            "basis": basis, "layers": result_layers, "not_applicable": notes,
+            "logits": {str(k): v for k, v in logit_spread(model, inputs, batch_size, device).items()}}
+
+
+def truncation_rows(report: dict, run: str = "") -> list[dict]:
+    rows = []
+    for e in report["layers"]:
+        for k, r in enumerate(e["ranks"]):
+            rows.append({"run": run, "layer": e["layer"], "head": "all", "rank": r, "head_dim": e["head_dim"],
+                         "loss_increase": e["layer_loss_increase"][k], "basis": e["basis"]})
+            for hrow in e["per_head"]:
+                rows.append({"run": run, "layer": e["layer"], "head": hrow["head"], "rank": r,
+                             "head_dim": e["head_dim"], "loss_increase": hrow["loss_increase"][k],
+                             "basis": e["basis"]})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------
+# allocation advice
+
+
+def allocation_advice(shapes: list[tuple[int, int]], tolerated: dict[int, int], sensitivity: dict[int, float],
+                      rope: bool, tolerance: float = 0.0) -> dict:
+    """A (heads, head_dims) schedule at (at most) the same budget D = sum_m H_m d_m.
+
+    Rule [decision]: layer m's head size becomes the smallest rank it tolerates (even and >= 2 with RoPE, >= 1
+    otherwise; unchanged where it tolerates nothing lower); the budget this frees is spent on extra heads, round
+    robin, for the layers whose sensitivity (mean loss increase over the ranks below full) exceeds ``tolerance``,
+    most sensitive first (every layer when none does), each extra head costing that layer's head size, while the
+    budget allows. What cannot be spent is reported (``new_budget`` <= ``budget``).
+    """
+    D = sum(h * d for h, d in shapes)
+    heads, dims = [], []
+    for m, (H, dh) in enumerate(shapes):
+        r = tolerated.get(m, dh)
+        r = max(2 if rope else 1, r)
+        if rope and r % 2:
+            r += 1
+        heads.append(H)
+        dims.append(min(r, dh))
+    spare = D - sum(h * d for h, d in zip(heads, dims, strict=True))
+    order = sorted(range(len(shapes)), key=lambda m: (-sensitivity.get(m, 0.0), m))
+    order = [m for m in order if sensitivity.get(m, 0.0) > tolerance] or order
+    grew = True
+    while grew:
+        grew = False
+        for m in order:
+            if dims[m] <= spare:
+                heads[m] += 1
+                spare -= dims[m]
+                grew = True
+    return {"heads": heads, "head_dims": dims, "budget": D,
+            "new_budget": sum(h * d for h, d in zip(heads, dims, strict=True)),
+            "rule": "head size = smallest tolerated rank; freed budget -> extra heads for the most sensitive layers"}
+
+
+def advice_toml(advice: dict, n_layer: int, source: str) -> str:
+    """The advice as a TOML config fragment for ``cemtool train --config``."""
+    return (f"# allocation advice from `cemtool saturation` on {source}\n"
+            f"# attention budget sum_m H_m d_m: {advice['budget']} -> {advice['new_budget']}\n"
+            f"# rule: {advice['rule']}\n"
+            "[model]\n"
+            f"n_layer = {n_layer}\n"
+            f"heads = [{', '.join(map(str, advice['heads']))}]\n"
+            f"head_dims = [{', '.join(map(str, advice['head_dims']))}]\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the sweep (grid and summary; the caller trains)
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    seq_len: int
+    head_dim: int
+    heads: int
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"T{self.seq_len}-dh{self.head_dim}-s{self.seed}"
+
+
+def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequence[int], budget: int,
+               rope: bool = True) -> list[SweepPoint]:
+    """Every (T, d_h, seed) with H = budget / d_h heads; refuses sizes that do not divide the budget."""
+    if not head_dims or not seq_lens or not seeds:
+        raise CemtoolError("the sweep needs at least one head size, one sequence length and one seed")
+    for d in head_dims:
+        if d < 1 or budget % d:
+            raise CemtoolError(f"head size {d} does not divide the budget H*d_h = {budget}",
+                               hint="choose head sizes that divide --budget")
+        if rope and d % 2:
+            raise CemtoolError(f"head size {d} is odd: RoPE needs even head sizes")
+    for T in seq_lens:
+        if T < 2:
+            raise CemtoolError(f"sequence length {T} is too short (at least 2)")
+    return [SweepPoint(T, d, budget // d, s) for T in sorted(set(seq_lens)) for d in sorted(set(head_dims))
+            for s in sorted(set(seeds))]
+
+
+def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
+    """Per sequence length: mean ± se final loss per head size, the gain per doubling of d_h to the next size,
+    and the saturation point: the smallest d_h whose gain per doubling is below ``threshold`` nats (None when
+    every step still gains more). ``results``: rows with seq_len, head_dim, seed, val_loss (and val_floor)."""
+    out = []
+    for T in sorted({r["seq_len"] for r in results}):
+        rows = [r for r in results if r["seq_len"] == T and r.get("val_loss") is not None]
+        dims = sorted({r["head_dim"] for r in rows})
+        points = []
+        for d in dims:
+            losses = np.array([r["val_loss"] for r in rows if r["head_dim"] == d], dtype=np.float64)
+            se = float(losses.std(ddof=1) / math.sqrt(len(losses))) if len(losses) > 1 else None
+            floors = [r.get("val_floor") for r in rows if r["head_dim"] == d and r.get("val_floor") is not None]
+            points.append({"head_dim": d, "loss": float(losses.mean()), "se": se, "seeds": int(len(losses)),
+                           "floor": float(np.mean(floors)) if floors else None})
+        sat = None
+        for a, b in zip(points, points[1:], strict=False):
+            gain = (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
+            a["gain_per_doubling"] = gain
+            if sat is None and gain < threshold:
+                sat = a["head_dim"]
+        if points:
+            points[-1]["gain_per_doubling"] = None
+        out.append({"seq_len": T, "points": points, "saturation_head_dim": sat, "threshold": threshold})
+    return out
+
+
+__all__ = ["SweepPoint", "advice_toml", "allocation_advice", "attention_layers", "data_factors", "default_ranks",
+           "effective_form", "head_projection", "logit_spread", "mean_loss", "rank_truncation", "rope_planes",
+           "rope_projection", "summarise_sweep", "svd_projection", "sweep_grid", "truncated", "truncation_rows",
+           "weight_factors"]

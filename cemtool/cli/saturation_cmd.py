@@ -1,0 +1,305 @@
+"""cemtool saturation: softmax saturation and head allocation (METHODS §4).
+
+``cemtool saturation sweep``  trains small models over head sizes at a fixed budget and over sequence lengths;
+``cemtool saturation RUN``    (short for ``cemtool saturation analyze RUN``) truncates a trained model's heads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+from cemtool.errors import CemtoolError
+
+
+class _RunOrCommand(TyperGroup):
+    """``cemtool saturation RUN ...`` means ``cemtool saturation analyze RUN ...``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and not args[0].startswith("-"):
+            args = ["analyze", *args]
+        return super().parse_args(ctx, args)
+
+
+sat_app = typer.Typer(cls=_RunOrCommand, no_args_is_help=True,
+                      help="Softmax saturation (METHODS §4): `cemtool saturation sweep` trains over head sizes and "
+                           "sequence lengths; `cemtool saturation RUN` truncates a trained run's heads to rank r "
+                           "and writes allocation advice.")
+app.add_typer(sat_app, name="saturation")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=what) from None
+    if not vals:
+        raise typer.BadParameter("give at least one value", param_hint=what)
+    return vals
+
+
+# --------------------------------------------------------------------------------------------------------------
+# trained-model mode
+
+
+@sat_app.command("analyze")
+@guarded
+def analyze(
+    run: Annotated[Path, typer.Argument(help="a run directory")],
+    checkpoint: Annotated[str, typer.Option(help="final, latest, a step number or a file")] = "final",
+    tokens: Annotated[int, typer.Option(help="evaluation tokens from the validation split (whole windows)")] = 8192,
+    ranks: Annotated[Optional[str], typer.Option(help="comma-separated ranks r; default 0, powers of two, d_h")]
+    = None,
+    basis: Annotated[str, typer.Option(help="factors of the score form: auto, weights or data (see docs)")]
+    = "auto",
+    tolerance: Annotated[float, typer.Option(help="loss increase (nats) a layer may take at its tolerated rank")]
+    = 0.01,
+    per_head: Annotated[bool, typer.Option("--per-head/--layers-only", help="also truncate one head at a time")]
+    = True,
+    batch_size: Annotated[int, typer.Option(help="windows per forward pass")] = 32,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figures")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the per-layer result as JSON")] = False,
+) -> None:
+    """Truncate every head's W_Q W_Kᵀ to rank r, record the loss increase, the logit spread vs context length,
+    which layers tolerate low rank, and a per-layer (heads, head_dims) schedule at the same budget."""
+    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
+    from cemtool.analysis.saturation import advice_toml, allocation_advice, rank_truncation, truncation_rows
+    from cemtool.config import replace
+    from cemtool.data.corpus import load_corpus, windows
+    from cemtool.models.allocation import layer_shapes
+    from cemtool.models.registry import build_model
+    from cemtool.report import provenance, write_report
+    from cemtool.runs import atomic_write_text, load_run
+    from cemtool.train import pick_device
+
+    if basis not in ("auto", "weights", "data"):
+        raise typer.BadParameter(f"{basis!r}: choose auto, weights or data", param_hint="--basis")
+    if not tolerance >= 0:
+        raise typer.BadParameter(f"{tolerance} must be >= 0", param_hint="--tolerance")
+    if tokens < 1 or batch_size < 1:
+        raise typer.BadParameter("must be >= 1", param_hint="--tokens/--batch-size")
+    rank_list = _ints(ranks, "--ranks") if ranks else None
+    if rank_list and min(rank_list) < 0:
+        raise typer.BadParameter("ranks must be >= 0", param_hint="--ranks")
+    dev = pick_device(device)
+    loaded = load_run(run, checkpoint=checkpoint, device=dev)
+    cfg = loaded.config
+    T = cfg.data.seq_len
+    if tokens < T:
+        raise CemtoolError(f"--tokens {tokens} is fewer than one window of {T} tokens")
+    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
+    x, y = windows(corpus.val, corpus.eval_windows(T, tokens), T)
+    with console.progress(quiet) as bar:
+        task = bar.add_task("truncation", total=None, status="")
+        result = rank_truncation(loaded.model, x, y, ranks=rank_list, basis=basis, tolerance=tolerance,
+                                 per_head=per_head, batch_size=batch_size, device=dev,
+                                 progress=lambda s, d, t: bar.update(task, completed=d, total=t, status=s))
+    shapes = layer_shapes(cfg.model)
+    tolerated = {e["layer"]: e["tolerated_rank"] for e in result["layers"]}
+    sens = {e["layer"]: e["sensitivity"] for e in result["layers"]}
+    advice = allocation_advice(shapes, tolerated, sens, rope=cfg.model.pos == "rope", tolerance=tolerance)
+    try:
+        trial = replace(cfg.model, heads=tuple(advice["heads"]), head_dims=tuple(advice["head_dims"]))
+        build_model(trial)
+        advice["applicable"] = True
+    except CemtoolError as e:
+        advice = {"applicable": False, "why": f"not applicable: {e.message}", **advice}
+    reports = loaded.run.reports
+    payload = {"provenance": provenance(loaded.run.path, checkpoint=str(loaded.checkpoint), step=loaded.step,
+                                        command="saturation", options={"tokens": tokens, "ranks": rank_list,
+                                                                       "basis": basis, "tolerance": tolerance}),
+               "arch": cfg.model.arch, "saturation": result, "advice": advice}
+    paths = write_report(reports, "saturation", payload, truncation_rows(result, loaded.run.path.name))
+    advice_path = None
+    if advice["applicable"]:
+        advice_path = reports / "saturation_advice.toml"
+        atomic_write_text(advice_path, advice_toml(advice, cfg.model.n_layer, str(loaded.run.path)))
+    if not no_plots:
+        from cemtool.plots.saturation import plot_logits, plot_truncation
+
+        plot_truncation(payload, loaded.run.plots)
+        plot_logits(payload, loaded.run.plots)
+    if json_:
+        console.print_json({"base_loss": result["base_loss"], "layers": [
+            {k: e[k] for k in ("layer", "heads", "head_dim", "truncation", "basis", "ranks", "layer_loss_increase",
+                               "tolerated_rank")} for e in result["layers"]], "advice": advice})
+        return
+    all_ranks = sorted({r for e in result["layers"] for r in e["ranks"]})
+    body = []
+    for e in result["layers"]:
+        inc = dict(zip(e["ranks"], e["layer_loss_increase"], strict=True))
+        body.append([e["layer"], f"{e['heads']}x{e['head_dim']}", *[f"{inc[r]:+.4f}" if r in inc else ""
+                                                                    for r in all_ranks], e["tolerated_rank"]])
+    console.table(f"loss increase (nats) when every head of a layer is truncated to rank r; base loss "
+                  f"{result['base_loss']:.4f} on {result['tokens']:,} tokens",
+                  ["layer", "H x d_h", *[f"r={r}" for r in all_ranks], "tolerated r"], body)
+    kinds = sorted({f"{e['truncation']} / basis {e['basis']}" for e in result["layers"]})
+    console.result(f"truncation: {'; '.join(kinds)}; tolerated r = smallest rank within {tolerance} nats")
+    for k, why in result["not_applicable"].items():
+        console.result(f"layer {k}: {why}" if k.isdigit() else why)
+    if advice["applicable"]:
+        console.result(f"advice (budget {advice['budget']} -> {advice['new_budget']}): heads {advice['heads']}, "
+                       f"head_dims {advice['head_dims']}  ->  {advice_path}  (cemtool train --config "
+                       f"{advice_path})")
+    else:
+        console.result(f"advice: {advice['why']}")
+    console.result(f"wrote {paths['json']} (+ .csv)")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# experiment mode
+
+
+def _sweep_config(arch: str, data: str, p, *, d_model: int, n_layer: int, steps: int, lr: float, batch_tokens: int,
+                  train_tokens: int, eval_tokens: int, extra: list[str]):
+    from cemtool.config import resolve
+
+    overrides = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={p.heads}",
+                 f"model.head_dim={p.head_dim}", f"data.seq_len={p.seq_len}",
+                 f"train.batch_size={max(1, batch_tokens // p.seq_len)}", f"train.max_steps={steps}",
+                 f"train.eval_every={steps}", f"train.eval_tokens={eval_tokens}",
+                 f"train.log_every={max(1, steps // 10)}", f"train.warmup_steps={min(30, steps // 10)}",
+                 f"train.lr={lr}", f"data.train_tokens={max(1000, train_tokens)}",
+                 f"data.val_tokens={max(128, 2 * eval_tokens)}", *extra]
+    return resolve(arch=arch, overrides=overrides, seed=p.seed, data_source=data)
+
+
+@sat_app.command("sweep")
+@guarded
+def sweep(
+    head_dims: Annotated[str, typer.Option(help="comma-separated head sizes d_h (each divides the budget)")]
+    = "2,4,8,16",
+    budget: Annotated[int, typer.Option(help="attention budget H*d_h per layer (H = budget / d_h)")] = 16,
+    seq_lens: Annotated[str, typer.Option(help="comma-separated sequence lengths T")] = "16,64",
+    seeds: Annotated[str, typer.Option(help="comma-separated training seeds")] = "0,1",
+    steps: Annotated[int, typer.Option(help="optimizer steps per model")] = 300,
+    d_model: Annotated[int, typer.Option(help="model width")] = 32,
+    n_layer: Annotated[int, typer.Option(help="layers")] = 1,
+    lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-2,
+    batch_tokens: Annotated[int, typer.Option(help="tokens per step (batch = this / T, the same for every T)")]
+    = 1024,
+    data: Annotated[str, typer.Option(help="'ngram' (built-in n-gram rule over white noise) or any data source")]
+    = "ngram",
+    arch: Annotated[str, typer.Option(help="architecture trained at every grid point")] = "baseline",
+    train_tokens: Annotated[int, typer.Option(help="training tokens generated (synthetic sources)")] = 200_000,
+    eval_tokens: Annotated[int, typer.Option(help="validation tokens of the final loss")] = 4096,
+    threshold: Annotated[float, typer.Option(help="gain per doubling of d_h (nats) below which d_h saturates")]
+    = 0.01,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="extra config override for every "
+                                                      "model, e.g. model.pos=learned")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="sweep folder; default "
+                                                "runs/saturation-sweep-<time>")] = None,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figure")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
+) -> None:
+    """Train over head sizes at a fixed budget H*d_h and over sequence lengths; loss vs d_h per T, the gain per
+    doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
+    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
+    from cemtool.analysis.saturation import summarise_sweep, sweep_grid
+    from cemtool.data.corpus import load_corpus
+    from cemtool.report import provenance, write_report
+    from cemtool.runs import create_run, is_run, open_run
+    from cemtool.train import finalize_model_config, pick_device
+    from cemtool.train import train as train_loop
+
+    for name, v in (("--budget", budget), ("--steps", steps), ("--d-model", d_model), ("--n-layer", n_layer),
+                    ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
+        if v < 1:
+            raise typer.BadParameter(f"{v} must be >= 1", param_hint=name)
+    if not threshold >= 0:
+        raise typer.BadParameter(f"{threshold} must be >= 0", param_hint="--threshold")
+    extra = list(set_ or [])
+    dims, lens, seed_list = _ints(head_dims, "--head-dims"), _ints(seq_lens, "--seq-lens"), _ints(seeds, "--seeds")
+    probe_cfg = _sweep_config(arch, data, sweep_grid(dims[:1], lens[:1], seed_list[:1], budget, rope=False)[0],
+                              d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
+                              train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
+    points = sweep_grid(dims, lens, seed_list, budget, rope=probe_cfg.model.pos == "rope")
+    dev = pick_device(device)
+    root = out or Path("runs") / f"saturation-sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    if root.exists() and not root.is_dir():
+        raise CemtoolError(f"--out {root} exists and is not a directory")
+    console.info(f"sweep folder: {root} ({len(points)} models)", quiet)
+    options = {"head_dims": dims, "budget": budget, "seq_lens": lens, "seeds": seed_list, "steps": steps,
+               "d_model": d_model, "n_layer": n_layer, "lr": lr, "batch_tokens": batch_tokens, "data": data,
+               "arch": arch, "train_tokens": train_tokens, "eval_tokens": eval_tokens, "set": extra}
+    results, corpora = [], {}
+    with console.progress(quiet) as bar:
+        task = bar.add_task("sweep", total=len(points) * steps, status="")
+        for k, p in enumerate(points):
+            run_dir = root / "runs" / p.name
+            cfg = _sweep_config(arch, data, p, d_model=d_model, n_layer=n_layer, steps=steps, lr=lr,
+                                batch_tokens=batch_tokens, train_tokens=train_tokens, eval_tokens=eval_tokens,
+                                extra=extra)
+            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed,
+                   "run": str(run_dir)}
+            if is_run(run_dir) and open_run(run_dir).meta().get("status") == "completed":
+                meta = open_run(run_dir).meta()
+                row.update(val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), reused=True,
+                           params=meta.get("params", {}).get("total"), seconds=meta.get("train_seconds"))
+                results.append(row)
+                bar.update(task, completed=(k + 1) * steps, status=f"{p.name} (reused)")
+                continue
+            key = json.dumps(cfg.data.__dict__, sort_keys=True, default=str)
+            if key not in corpora:
+                corpora[key] = load_corpus(cfg.data)
+            corpus = corpora[key]
+            cfg = finalize_model_config(cfg, corpus)
+            writer = create_run(run_dir, cfg, force=True, argv=sys.argv, device=str(dev),
+                                extra_meta={"corpus": corpus.info, "sweep": str(root)})
+            corpus.tokenizer.save(writer.path / "tokenizer.json")
+
+            def cb(ev: dict, k=k, name=p.name) -> None:
+                if ev["kind"] == "step":
+                    bar.update(task, completed=k * steps + ev["step"], status=f"{name} loss {ev['loss']:.3f}")
+
+            try:
+                res = train_loop(cfg, corpus, writer, device=dev, callback=cb)
+            finally:
+                writer.unlock()
+            if res.status != "completed":
+                raise CemtoolError(f"training {p.name} ended {res.status}", hint="rerun with the same --out to "
+                                   "resume the sweep")
+            row.update(val_loss=res.val_loss, val_floor=res.val_floor, reused=False,
+                       params=open_run(run_dir).meta().get("params", {}).get("total"), seconds=res.seconds)
+            results.append(row)
+    summary = summarise_sweep(results, threshold)
+    payload = {"provenance": provenance(root, command="saturation sweep", options=options),
+               "task": data, "budget": budget, "steps": steps, "seeds": seed_list, "threshold": threshold,
+               "results": results, "summary": summary}
+    paths = write_report(root / "reports", "saturation_sweep", payload, results)
+    if not no_plots:
+        from cemtool.plots.saturation import plot_sweep
+
+        plot_sweep(payload, root / "plots")
+    if json_:
+        console.print_json(summary)
+        return
+    body = []
+    for s in summary:
+        for pt in s["points"]:
+            g = pt.get("gain_per_doubling")
+            body.append([s["seq_len"], pt["head_dim"], budget // pt["head_dim"],
+                         f"{pt['loss']:.4f}" + (f" ± {pt['se']:.4f}" if pt["se"] is not None else ""),
+                         "-" if pt["floor"] is None else f"{pt['floor']:.4f}", "-" if g is None else f"{g:+.4f}"])
+    console.table(f"final validation loss vs head size at budget H*d_h = {budget} ({data}, {steps} steps, "
+                  f"{len(seed_list)} seed(s))", ["T", "d_h", "H", "loss ± s.e.", "floor", "gain/doubling"], body)
+    for s in summary:
+        sat = s["saturation_head_dim"]
+        console.result(f"T = {s['seq_len']}: " + (f"saturates at d_h = {sat} (next doubling gains < {threshold} nats)"
+                                                  if sat else f"no saturation within the grid (every doubling "
+                                                              f"gains >= {threshold} nats)"))
+    console.result(f"wrote {paths['json']} (+ .csv)")

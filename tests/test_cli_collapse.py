@@ -1,0 +1,76 @@
+"""`cemtool collapse-report` end to end on tiny real runs: one run, a baseline-vs-LIMe comparison, bad input."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from cemtool.cli.main import app
+
+from conftest import train_tiny
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_run, text_file, tmp_path_factory):
+    root = tmp_path_factory.mktemp("collapse")
+    base = root / "base"
+    shutil.copytree(tiny_run, base)
+    lime = train_tiny(root / "lime", arch="lime", data=text_file, extra=["data.tokenizer=byte",
+                                                                         "data.val_fraction=0.1"])
+    return base, root / "lime" if lime else None
+
+
+def test_help():
+    res = CliRunner().invoke(app, ["collapse-report", "--help"])
+    assert res.exit_code == 0 and "--alpha" in res.output
+
+
+def test_one_run(runs):
+    base, _ = runs
+    res = CliRunner().invoke(app, ["collapse-report", str(base), "--tokens", "512", "--per-class", "40", "-q",
+                                   "--no-plots"])
+    assert res.exit_code == 0, res.output
+    assert "collapse" in res.output and "most frequent" in res.output  # byte tokenizer: frequent-token probe
+    rep = json.loads((base / "reports" / "collapse.json").read_text())
+    (run,) = rep["runs"]
+    assert run["arch"] == "baseline" and run["collapse"]["tokens"] == 512
+    assert run["routing"].startswith("not applicable") and run["stream_scalars"].startswith("not applicable")
+    layer = run["collapse"]["layers"][0]
+    assert layer["probe"]["hidden"]["k"] == 4 and 0.0 <= layer["probe"]["hidden"]["accuracy"] <= 1.0
+    assert len(layer["attention"]["curves"]["entropy"][0]) == 16
+    csv = (base / "reports" / "collapse.csv").read_text().splitlines()
+    assert csv[0].startswith("run,arch,layer,head,measure") and len(csv) > 20
+    assert not (base / "plots" / "collapse_layers.png").exists()  # --no-plots
+
+
+def test_comparison_baseline_vs_lime(runs, tmp_path):
+    base, lime = runs
+    out = tmp_path / "cmp"
+    res = CliRunner().invoke(app, ["collapse-report", str(base), str(lime), "--tokens", "256", "--alpha", "1",
+                                   "--out", str(out), "-q", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert {r["run"] for r in rows} == {"base", "lime"} and len(rows) == 4
+    rep = json.loads((out / "collapse_compare.json").read_text())
+    assert [r["arch"] for r in rep["runs"]] == ["baseline", "lime"]
+    routing = rep["runs"][1]["routing"]
+    assert routing["variant"] == "static" and len(routing["layers"]) == 2
+    assert (out / "plots" / "collapse_compare_layers.png").exists()
+    assert (out / "plots" / "collapse_compare_routing_lime.png").exists()
+    assert (lime / "reports" / "collapse.json").exists()
+
+
+def test_bad_input(runs, tmp_path):
+    base, _ = runs
+    r = CliRunner()
+    res = r.invoke(app, ["collapse-report", str(tmp_path / "nope")])
+    assert res.exit_code == 1 and res.output.count("Error:") == 1 and "does not exist" in res.output
+    res = r.invoke(app, ["collapse-report", str(base), "--alpha", "0"])
+    assert res.exit_code == 2
+    res = r.invoke(app, ["collapse-report", str(base), "--words", "horse,cart", "--tokens", "64"])
+    assert res.exit_code == 1 and "not single tokens" in res.output
+    res = r.invoke(app, ["collapse-report", str(base), "--tokens", "4"])
+    assert res.exit_code == 1 and "fewer than one window" in res.output
+    res = r.invoke(app, ["collapse-report"])
+    assert res.exit_code == 2
