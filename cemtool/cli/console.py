@@ -13,7 +13,9 @@ from rich.table import Table
 
 from cemtool.errors import CemtoolError
 
-out = Console(highlight=False, soft_wrap=True)
+# without a terminal (pipes, files, CI logs) rich would wrap tables at 80 columns; tables are wider than that
+_WIDTH = None if sys.stdout.isatty() else 200
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEBUG = os.environ.get("CEMTOOL_DEBUG", "") not in ("", "0")
