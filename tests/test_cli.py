@@ -158,3 +158,16 @@ def test_out_of_memory_is_one_line(tmp_path, text_file, monkeypatch):
                  *tiny_sets("data.tokenizer=byte"))
     one_line_error(res, 1, "out of memory", "batch_size")
     assert json.loads((tmp_path / "o" / "meta.json").read_text())["status"] == "failed"
+
+
+def test_resume_run_with_newer_config_schema(tmp_path, tiny_run):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["schema_version"] = 99
+    (run / "config.json").write_text(json.dumps(cfg))
+    meta = json.loads((run / "meta.json").read_text())
+    meta["status"] = "interrupted"
+    (run / "meta.json").write_text(json.dumps(meta))
+    one_line_error(invoke("train", "--resume", str(run), "--quiet"), 1, "schema_version 99", "newer")
+    assert json.loads((run / "config.json").read_text())["schema_version"] == 99

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,6 +26,9 @@ class ProgressReporter:
         self.bar = console.progress(quiet)
         self.task = None
         self.floor = None
+        self.t_rate: float | None = None
+        self.tok_rate = 0
+        self.rate: float | None = None
 
     def __enter__(self):
         self.bar.__enter__()
@@ -46,8 +50,14 @@ class ProgressReporter:
                                    f"tokens{floor}", markup=False)
             self.task = self.bar.add_task("train", total=ev["total"], completed=ev["step"], status="")
         elif kind == "step" and self.task is not None:
+            now = time.perf_counter()
+            if self.t_rate is None or now - self.t_rate > 2.0:  # tokens/s over the last ~2 s
+                if self.t_rate is not None:
+                    self.rate = (ev["tokens"] - self.tok_rate) / (now - self.t_rate)
+                self.t_rate, self.tok_rate = now, ev["tokens"]
+            rate = f"{self.rate:,.0f} tok/s" if self.rate else "… tok/s"
             self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
-                            f"{ev['tokens']:,} tok")
+                            f"{rate}")
         elif kind == "eval":
             gap = f"  gap {ev['val_gap']:+.4f}" if ev.get("val_gap") is not None else ""
             floor = f"  floor {ev['val_floor']:.4f}" if ev.get("val_floor") is not None else ""
