@@ -332,7 +332,9 @@ def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
 
 def _refuse_pickle(path: Path) -> None:
     with open(path, "rb") as f:
-        head = f.read(8)
+        head = f.read(9)
+    if head[8:9] == b"{":  # safetensors: a little-endian u64 header length, then the JSON header
+        return
     if head[:1] == b"\x80" or head[:2] == b"PK":
         raise CemtoolError(f"{path} looks like a pickle/torch.save file: cemtool never unpickles files",
                            hint="checkpoints must be safetensors written by cemtool")

@@ -181,11 +181,14 @@ def _emit(cb: Callback | None, **event) -> None:
 
 
 def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torch.device | None = None,
-          resume: bool = False, callback: Callback | None = None, stop_after: int | None = None) -> TrainResult:
+          resume: bool = False, callback: Callback | None = None, stop_after: int | None = None,
+          init_weights: dict[str, torch.Tensor] | None = None) -> TrainResult:
     """Train ``cfg`` on ``corpus``, writing into ``run`` (rank 0 only; None writes nothing).
 
     resume: continue from the run's newest step checkpoint. stop_after: stop (as if killed) after that many
-    optimizer steps of this call; used by tests. Events passed to ``callback``: start, step, eval, checkpoint, end.
+    optimizer steps of this call; used by tests. init_weights: start from these weights (a state dict, e.g. a
+    checkpoint's, for fine-tuning) instead of a fresh initialisation; a resumed step checkpoint overrides them.
+    Events passed to ``callback``: start, step, eval, checkpoint, end.
     """
     tc, T = cfg.train, cfg.data.seq_len
     dev = device if isinstance(device, torch.device) else pick_device(device)
@@ -197,6 +200,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     writer = run if dd.main else None
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(dev)
+    if init_weights is not None:
+        model.load_state_dict(init_weights, strict=True)
     opt = make_optimizer(model, tc, dev)
     steps_total = total_steps(cfg)
     step, tokens_seen = 0, 0

@@ -120,3 +120,20 @@ def test_weights_that_do_not_fit(tiny_run, tmp_path):
     other = build_model(replace(lr.config.model, d_model=48, n_head=2))
     with pytest.raises(CemtoolError, match="does not fit"):
         load_weights(other, read_checkpoint(lr.checkpoint))
+
+
+def test_safetensors_whose_header_length_starts_with_0x80_is_accepted(tmp_path):
+    """A real safetensors file can begin with byte 0x80 (its header length); it must not be taken for a pickle."""
+    import struct
+
+    from safetensors.torch import save
+
+    data = save({"model.w": torch.zeros(3)}, metadata={"cemtool": json.dumps({"step": 3})})
+    n = struct.unpack("<Q", data[:8])[0]
+    pad = (0x80 - n % 256) % 256 or 256
+    header = data[8:8 + n].rstrip(b" ") + b" " * (n - len(data[8:8 + n].rstrip(b" ")) + pad)
+    blob = struct.pack("<Q", len(header)) + header + data[8 + n:]
+    assert blob[0] == 0x80
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(blob)
+    assert read_checkpoint(p).step == 3

@@ -1,0 +1,486 @@
+"""Compare architectures across runs and seeds from the runs' records and reports alone (no checkpoint is read):
+one row per architecture, rank correlations between sharpness and forgetting, and pairwise differences with
+confidence intervals (METHODS §3, §6, §7).
+
+Inputs: a study directory (``study.json`` of ``cemtool sweep``), a run, a fine-tune run (it stands for its
+parent, the run it was fine-tuned from), or a folder searched for runs. Fine-tune runs (meta.json ``"parent"``)
+are never rows of their own: their forgetting report is attached to the parent. A parent's fine-tunes are found
+in the study manifest and among the parent's sibling directories.
+
+Per run, what each source provides (absent -> null, and the run is listed under ``missing``):
+
+- meta.json (written by training): final ``val_loss`` and ``val_floor``, tokens trained, parameters;
+- the config: training FLOPs per token (``cemtool.models.lm.flops_per_token`` on a freshly built model, or the
+  study's record), total FLOPs = FLOPs/token x tokens;
+- ``reports/sharpness.json``: ``lambda_max`` (largest Hessian eigenvalue), ``lambda_min`` (smallest),
+  ``trace_per_param`` = tr(H)/n (n = parameters; the first trace estimate, with its standard error), and the
+  number of evaluation tokens they used;
+- ``reports/collapse.json``: the last layer's value entropy (Rényi, ``v_entropy``) and value separability
+  (probe accuracy from the values, ``probe_v``, beside chance);
+- a fine-tune's ``reports/forgetting.json``: ``forgetting`` and ``plasticity`` (one target; ``target`` chooses when
+  the runs were fine-tuned on several).
+
+Runs are grouped by their config without the seed; the group is labelled by its architecture name, with the
+differing settings appended when two groups share an architecture. Per group and metric: mean, standard
+deviation over seeds (ddof = 1) and n.
+
+Correlations: Spearman's rank correlation (``scipy.stats.spearmanr``) across runs between forgetting and each of
+tr(H)/n and lambda_max (the momentum-streams paper reports 0.93 for tr(H)/n), with a two-sided p-value [decision:
+exact, over all permutations of the ranks, for n <= 9 runs, where scipy's t approximation gives p = 0 for a
+perfect rank order however few the runs; scipy's beyond]; it needs at least 3 runs with both values.
+
+Pairwise differences [decision: Welch]: for every pair of groups (a, b) and the metrics in ``PAIRWISE``, the
+difference of means mean_a - mean_b with a Welch t confidence interval (unequal variances,
+Welch-Satterthwaite degrees of freedom; ``scipy.stats.ttest_ind(equal_var=False)``) and the test's p-value; it
+needs two runs in each group. Seeds are not paired (different architectures share no initialisation).
+
+compare.json schema (``reports/compare.json`` under the output folder)::
+
+    {
+      "provenance": {...}, "inputs": [str], "target": str | null, "level": 0.95,
+      "metrics": {key: column label},
+      "runs": [{"run", "label", "arch", "seed", "val_loss", "val_floor", "tokens", "params", "non_embedding",
+                "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
+                "trace_per_param", "trace_per_param_se", "sharpness_tokens", "value_entropy", "separability",
+                "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
+                "forgetting_run",
+                "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null}}],
+      "archs": [{"label", "arch", "n", "seeds": [int], "runs": [str],
+                 "<metric>": {"mean", "std", "n"} | null, ...}],
+      "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note"}],
+      "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
+      "missing": {"sharpness": [run], "collapse": [run], "forgetting": [run]},
+      "notes": [str]
+    }
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from cemtool.config import RunConfig, to_dict
+from cemtool.errors import CemtoolError
+from cemtool.report import csv_text, markdown_table, provenance, write_report
+from cemtool.runs import atomic_write_text, is_run, open_run, read_json
+
+METRICS = {"val_loss": "val loss", "params": "params", "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
+           "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "forgetting": "forgetting",
+           "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
+PAIRWISE = ("val_loss", "forgetting", "plasticity", "trace_per_param", "lambda_max")
+CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
+REPORTS = ("sharpness", "collapse", "forgetting")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# statistics
+
+
+EXACT_MAX_N = 9  # Spearman p-values by exact permutation up to this many runs (9! = 362,880 permutations)
+
+
+def spearman(x: list[float], y: list[float]) -> dict:
+    """Spearman's rho (``scipy.stats.spearmanr``) and its two-sided p-value: exact (all permutations of the
+    ranks) for n <= 9, where scipy's t approximation is poor, else scipy's. rho None below 3 points or for
+    constant input."""
+    from scipy import stats
+
+    n = len(x)
+    if n < 3:
+        return {"rho": None, "p": None, "p_method": None, "n": n, "note": "needs at least 3 runs with both values"}
+    if len(set(x)) == 1 or len(set(y)) == 1:
+        return {"rho": None, "p": None, "p_method": None, "n": n, "note": "one variable is constant"}
+    res = stats.spearmanr(x, y)
+    rho = float(res.statistic)
+    if n > EXACT_MAX_N:
+        return {"rho": rho, "p": float(res.pvalue), "p_method": "t approximation", "n": n, "note": None}
+    rx, ry = stats.rankdata(x), stats.rankdata(y)
+    perms = np.array(list(itertools.permutations(range(n))))  # (n!, n)
+    ryp = ry[perms] - ry.mean()  # (n!, n)
+    rhos = ryp @ (rx - rx.mean()) / (np.linalg.norm(rx - rx.mean()) * np.linalg.norm(ry - ry.mean()))  # (n!,)
+    p = float(np.mean(np.abs(rhos) >= abs(rho) - 1e-12))
+    return {"rho": rho, "p": p, "p_method": "exact permutation", "n": n, "note": None}
+
+
+def welch(a: list[float], b: list[float], level: float = 0.95) -> dict:
+    """mean(a) - mean(b) with its Welch t confidence interval at ``level`` and the test's p-value."""
+    from scipy import stats
+
+    na, nb = len(a), len(b)
+    out = {"diff": float(np.mean(a) - np.mean(b)) if na and nb else None, "lo": None, "hi": None, "df": None,
+           "p": None, "n_a": na, "n_b": nb, "note": None}
+    if na < 2 or nb < 2:
+        out["note"] = "needs at least 2 runs per architecture"
+        return out
+    if np.var(a) == 0 and np.var(b) == 0:
+        out.update(lo=out["diff"], hi=out["diff"], note="no variance within either architecture")
+        return out
+    res = stats.ttest_ind(a, b, equal_var=False)
+    ci = res.confidence_interval(confidence_level=level)
+    out.update(lo=float(ci.low), hi=float(ci.high), df=float(res.df), p=float(res.pvalue))
+    return out
+
+
+def summary(values: list[float]) -> dict | None:
+    if not values:
+        return None
+    return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None,
+            "n": len(values)}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reading runs and reports
+
+
+def run_compute(cfg: RunConfig) -> dict:
+    """Parameters and training FLOPs per token (forward + backward) of a run's model, from its config alone (a
+    freshly built model; no checkpoint; the global RNG is left untouched)."""
+    from cemtool.models.lm import flops_per_token
+    from cemtool.models.registry import build_model
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+    n = model.num_params()
+    fl = flops_per_token(model, cfg.data.seq_len)
+    return {"params": n["total"], "non_embedding": n["non_embedding"], "flops_per_token": fl["train"],
+            "flops_forward_per_token": fl["forward"]}
+
+
+def sharpness_fields(report: dict) -> dict:
+    """λ_max, λ_min and tr(H)/n (first trace estimate) of a sharpness report (cemtool backend)."""
+    eig = report.get("eigen") or {}
+    top, bottom, ritz = eig.get("top") or [], eig.get("bottom") or [], eig.get("ritz_values") or []
+    traces = report.get("traces") or []
+    t = traces[0] if traces else {}
+    flags = (eig.get("top_converged") or [])[:1] + (eig.get("bottom_converged") or [])[:1]
+    return {"lambda_max": top[0] if top else (max(ritz) if ritz else None),
+            "lambda_min": bottom[0] if bottom else (min(ritz) if ritz else None),
+            "lambda_converged": all(flags) if flags else None,
+            "trace_per_param": t.get("per_param"), "trace_per_param_se": t.get("per_param_se"),
+            "sharpness_tokens": report.get("tokens")}
+
+
+def collapse_fields(report: dict) -> dict:
+    """The last layer's value entropy and value separability of a collapse report."""
+    run = (report.get("runs") or [{}])[0]
+    rows = run.get("summary") or []
+    if not rows:
+        return {}
+    last = rows[-1]
+    layer = next((e for e in run.get("collapse", {}).get("layers", []) if e.get("layer") == last["layer"]), {})
+    probe = (layer.get("probe") or {}).get("values")
+    return {"value_entropy": last.get("v_entropy"), "separability": last.get("probe_v"),
+            "separability_chance": probe.get("chance") if isinstance(probe, dict) else None,
+            "collapse_layer": last["layer"]}
+
+
+def _meta(path: Path) -> dict:
+    try:
+        return read_json(path / "meta.json", "run metadata")
+    except CemtoolError:
+        return {}
+
+
+class _Finder:
+    """Resolves the inputs to source runs, and each source run to its fine-tunes."""
+
+    def __init__(self):
+        self.units: list[Path] = []
+        self.children: dict[Path, set[Path]] = {}
+        self.study_items: dict[Path, dict] = {}
+        self._scanned: set[Path] = set()
+
+    def add_unit(self, path: Path) -> None:
+        path = path.resolve()
+        if path not in self.units:
+            self.units.append(path)
+        self.children.setdefault(path, set())
+
+    def add_run(self, path: Path) -> None:
+        parent = _meta(path).get("parent")
+        if parent is None:
+            self.add_unit(path)
+            return
+        src = Path(parent)
+        if not is_run(src):
+            raise CemtoolError(f"{path} is a fine-tune of {src}, which is missing",
+                               hint="compare the source runs (their fine-tunes are found beside them)")
+        self.add_unit(src)
+        self.children[src.resolve()].add(path.resolve())
+
+    def add(self, path: Path) -> None:
+        if not path.exists():
+            raise CemtoolError(f"{path} does not exist")
+        if (path / "study.json").is_file():
+            study = read_json(path / "study.json", "study manifest")
+            for item in study.get("items", []):
+                run = (path / item["run"]).resolve()
+                if not is_run(run):
+                    continue
+                self.add_unit(run)
+                self.study_items[run] = item
+                ft = item.get("analyses", {}).get("forgetting", {}).get("run")
+                if ft and is_run(path / ft):
+                    self.children[run].add((path / ft).resolve())
+            return
+        if is_run(path):
+            self.add_run(path)
+            return
+        found = sorted({p.parent for p in path.rglob("config.json")})
+        if not found:
+            raise CemtoolError(f"{path} holds no runs and no study.json")
+        for p in found:
+            self.add_run(p)
+
+    def siblings(self) -> None:
+        """Attach fine-tunes that sit beside their parents."""
+        for folder in {u.parent for u in self.units} - self._scanned:
+            self._scanned.add(folder)
+            for d in folder.iterdir():
+                if d.is_dir() and is_run(d):
+                    parent = _meta(d).get("parent")
+                    if parent and Path(parent).resolve() in self.children:
+                        self.children[Path(parent).resolve()].add(d.resolve())
+
+
+def _forgetting_of(children: set[Path]) -> dict[str, tuple[Path, dict]]:
+    """target -> (report path, report) among a run's fine-tunes (the newest report per target)."""
+    out: dict[str, tuple[Path, dict]] = {}
+    for c in sorted(children, key=lambda p: (p / "reports" / "forgetting.json").stat().st_mtime
+                    if (p / "reports" / "forgetting.json").exists() else 0):
+        rp = c / "reports" / "forgetting.json"
+        if rp.exists():
+            rep = read_json(rp, "forgetting report")
+            out[rep["target"]["data"]] = (rp, rep)
+    return out
+
+
+def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[dict], list[str]]:
+    """One record per source run (see the module docstring) and notes on what was skipped."""
+    finder = _Finder()
+    for p in paths:
+        finder.add(Path(p))
+    if not finder.units:
+        raise CemtoolError(f"no runs found in {', '.join(map(str, paths))}")
+    finder.siblings()
+    notes: list[str] = []
+    fts = {u: _forgetting_of(finder.children[u]) for u in finder.units}
+    targets = sorted({t for f in fts.values() for t in f})
+    if target is None and len(targets) > 1:
+        raise CemtoolError(f"the runs were fine-tuned on several targets ({', '.join(targets)})",
+                           hint="choose one with --target")
+    target = target or (targets[0] if targets else None)
+    compute_cache: dict[str, dict] = {}
+    records, configs = [], {}
+    for u in finder.units:
+        run = open_run(u)
+        meta, cfg = run.meta(), run.config()
+        if meta.get("status") != "completed":
+            notes.append(f"{u}: skipped, training is {meta.get('status')}")
+            continue
+        item = finder.study_items.get(u, {})
+        configs[str(u)] = _flatten({k: v for k, v in to_dict(cfg).items() if k not in ("seed", "schema_version")})
+        rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed,
+                     "val_loss": meta.get("val_loss"), "val_floor": meta.get("val_floor"),
+                     "tokens": meta.get("tokens")}
+        if "flops_per_token" in item:
+            comp = {k: item[k] for k in ("params", "non_embedding", "flops_per_token")}
+        else:
+            key = json.dumps([to_dict(cfg.model), cfg.data.seq_len], sort_keys=True)
+            comp = compute_cache.setdefault(key, run_compute(cfg))
+        rec.update(params=comp["params"], non_embedding=comp["non_embedding"],
+                   flops_per_token=comp["flops_per_token"],
+                   total_flops=comp["flops_per_token"] * rec["tokens"] if rec["tokens"] else None)
+        reports: dict = {}
+        for name, fields_of in (("sharpness", sharpness_fields), ("collapse", collapse_fields)):
+            rp = run.reports / f"{name}.json"
+            reports[name] = str(rp) if rp.exists() else None
+            if rp.exists():
+                rec.update(fields_of(read_json(rp, f"{name} report")))
+        f = fts[u].get(target) if target else None
+        reports["forgetting"] = str(f[0]) if f else None
+        if f:
+            rec.update(forgetting=f[1]["forgetting"], plasticity=f[1]["plasticity"], forgetting_target=target,
+                       forgetting_run=str(f[0].parent.parent))
+        for k in METRICS:
+            rec.setdefault(k, None)
+        rec["reports"] = reports
+        records.append(rec)
+    if not records:
+        raise CemtoolError("no completed runs to compare", hint="; ".join(notes)[:300] or None)
+    _label(records, configs)
+    return records, notes
+
+
+def _label(records: list[dict], flat: dict[str, dict]) -> None:
+    """Group label per record: the arch name, plus the settings that tell apart groups sharing an arch
+    (``flat``: run -> its flattened config without the seed)."""
+    groups: dict[str, list[dict]] = {}
+    for r in records:
+        groups.setdefault(json.dumps(flat[r["run"]], sort_keys=True), []).append(r)
+    by_arch: dict[str, list[str]] = {}
+    for key, rs in groups.items():
+        by_arch.setdefault(rs[0]["arch"], []).append(key)
+    for arch, keys in by_arch.items():
+        for key in keys:
+            label = arch
+            if len(keys) > 1:
+                mine = json.loads(key)
+                others = [json.loads(k) for k in keys if k != key]
+                diff = sorted(k for k in mine if any(o.get(k) != mine[k] for o in others))
+                label = f"{arch}[{','.join(f'{k}={mine[k]}' for k in diff[:3])}]"
+            for r in groups[key]:
+                r["label"] = label
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the comparison
+
+
+def compare(paths: list[str | Path], target: str | None = None, level: float = 0.95) -> dict:
+    """The comparison payload (schema in the module docstring). Raises CemtoolError if no run has any analysis
+    report."""
+    if not 0 < level < 1:
+        raise CemtoolError(f"the confidence level must be in (0, 1), got {level}")
+    records, notes = collect(paths, target)
+    missing = {name: [r["run"] for r in records if r["reports"][name] is None] for name in REPORTS}
+    if all(len(missing[name]) == len(records) for name in REPORTS):
+        raise CemtoolError(f"no analysis reports found for the {len(records)} run(s): looked for "
+                           f"reports/sharpness.json, reports/collapse.json and fine-tunes with reports/forgetting.json",
+                           hint="run cemtool sharpness / collapse-report / forgetting on them, or cemtool sweep "
+                                "--analyses sharpness,collapse,forgetting")
+    loose = [Path(r["run"]).name for r in records if r.get("lambda_converged") is False]
+    if loose:
+        notes.append(f"λ_max or λ_min did not converge (Lanczos) for {len(loose)} run(s): {', '.join(loose)}; "
+                     f"raise the sharpness --lanczos-steps")
+    tokens = sorted({r["sharpness_tokens"] for r in records if r.get("sharpness_tokens")})
+    if len(tokens) > 1:
+        notes.append(f"sharpness was measured on different token counts ({', '.join(map(str, tokens))}); λ_max "
+                     f"depends on it")
+    labels = list(dict.fromkeys(r["label"] for r in records))
+    archs = []
+    for label in labels:
+        rs = [r for r in records if r["label"] == label]
+        row = {"label": label, "arch": rs[0]["arch"], "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
+               "runs": [r["run"] for r in rs]}
+        for m in METRICS:
+            row[m] = summary([r[m] for r in rs if r[m] is not None])
+        archs.append(row)
+    correlations = []
+    for x, y in CORRELATE:
+        pairs = [(r[x], r[y]) for r in records if r[x] is not None and r[y] is not None]
+        correlations.append({"x": x, "y": y, **spearman([p[0] for p in pairs], [p[1] for p in pairs])})
+    pairwise = []
+    for m in PAIRWISE:
+        for a, b in itertools.combinations(labels, 2):
+            va = [r[m] for r in records if r["label"] == a and r[m] is not None]
+            vb = [r[m] for r in records if r["label"] == b and r[m] is not None]
+            if va and vb:
+                pairwise.append({"metric": m, "a": a, "b": b, **welch(va, vb, level)})
+    targets = {r["forgetting_target"] for r in records if r.get("forgetting_target")}
+    return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
+            "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
+            "metrics": METRICS, "runs": records, "archs": archs, "correlations": correlations,
+            "pairwise": pairwise, "missing": missing, "notes": notes}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tables and files
+
+
+def fmt_num(v: float | None, digits: int = 4) -> str:
+    """``digits`` significant digits; exponent form for very large or small magnitudes; blank for None."""
+    if v is None:
+        return ""
+    if isinstance(v, int) or (float(v).is_integer() and abs(v) >= 100):
+        return f"{int(v):,}" if abs(v) < 1e7 else f"{v:.{digits - 1}e}"
+    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+        return f"{v:.{digits - 1}e}"
+    return f"{v:.{digits}g}"
+
+
+def cell(s: dict | None) -> str:
+    """'mean ± std' (the std omitted for one run or no spread), blank when missing."""
+    if s is None:
+        return ""
+    if not s["std"]:
+        return fmt_num(s["mean"])
+    return f"{fmt_num(s['mean'])} ± {fmt_num(s['std'], 2)}"
+
+
+def arch_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[list[str]]]:
+    """One row per architecture and one column per metric that some run provides (``transpose``: one row per
+    metric, one column per architecture, which fits a terminal better)."""
+    present = [m for m in METRICS if any(a[m] is not None for a in payload["archs"])]
+    if transpose:
+        cols = ["", *[a["label"] for a in payload["archs"]]]
+        rows = [["runs", *[str(a["n"]) for a in payload["archs"]]]]
+        rows += [[METRICS[m], *[cell(a[m]) for a in payload["archs"]]] for m in present]
+        return cols, rows
+    cols = ["arch", "n", *[METRICS[m] for m in present]]
+    rows = [[a["label"], str(a["n"]), *[cell(a[m]) for m in present]] for a in payload["archs"]]
+    return cols, rows
+
+
+def flat_arch_rows(payload: dict) -> list[dict]:
+    """compare.csv: per architecture, mean / std / n of every metric."""
+    out = []
+    for a in payload["archs"]:
+        row = {"arch": a["label"], "family_arch": a["arch"], "n": a["n"], "seeds": " ".join(map(str, a["seeds"]))}
+        for m in METRICS:
+            s = a[m] or {}
+            row.update({f"{m}_mean": s.get("mean"), f"{m}_std": s.get("std"), f"{m}_n": s.get("n", 0)})
+        out.append(row)
+    return out
+
+
+def run_rows(payload: dict) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "reports"} for r in payload["runs"]]
+
+
+def markdown(payload: dict) -> str:
+    cols, rows = arch_table(payload)
+    md = ["# Comparison", "", f"Mean ± std over seeds (n runs). Forgetting target: {payload['target'] or '-'}.", "",
+          markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
+    md += ["## Spearman correlations across runs", "",
+           markdown_table([{"x": c["x"], "y": c["y"], "rho": c["rho"], "p": c["p"], "p from": c["p_method"] or "",
+                            "n": c["n"], "note": c["note"] or ""} for c in payload["correlations"]])]
+    if payload["pairwise"]:
+        md += [f"## Pairwise differences (a - b, Welch t {payload['level']:.0%} intervals)", "",
+               markdown_table([{k: p[k] for k in ("metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b")}
+                               for p in payload["pairwise"]])]
+    miss = [f"- {name}: {len(runs)} run(s) without it" for name, runs in payload["missing"].items() if runs]
+    if miss or payload["notes"]:
+        md += ["## Missing", "", *miss, *[f"- {n}" for n in payload["notes"]], ""]
+    return "\n".join(md)
+
+
+def write_compare(payload: dict, out: str | Path) -> dict[str, Path]:
+    """Write <out>/compare.csv (per architecture), compare_runs.csv (per run), compare.md and
+    <out>/reports/compare.json (+ .csv of the pairwise differences)."""
+    out = Path(out)
+    paths = {"csv": out / "compare.csv", "runs_csv": out / "compare_runs.csv", "md": out / "compare.md"}
+    atomic_write_text(paths["csv"], csv_text(flat_arch_rows(payload)))
+    atomic_write_text(paths["runs_csv"], csv_text(run_rows(payload)))
+    atomic_write_text(paths["md"], markdown(payload))
+    paths["json"] = write_report(out / "reports", "compare", payload, payload["pairwise"] or None)["json"]
+    return paths
+
+
+__all__ = ["METRICS", "PAIRWISE", "arch_table", "collect", "compare", "run_compute", "spearman", "welch",
+           "write_compare"]

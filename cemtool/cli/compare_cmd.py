@@ -1,0 +1,72 @@
+"""cemtool compare: one table over architectures and seeds from the reports of runs or studies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+
+
+def _num(v) -> str:
+    from cemtool.analysis.compare import fmt_num
+
+    return fmt_num(v)
+
+
+def print_compare(payload: dict) -> None:
+    from cemtool.analysis.compare import METRICS, arch_table
+
+    cols, rows = arch_table(payload, transpose=True)
+    target = f"; forgetting on {payload['target']}" if payload["target"] else ""
+    console.table(f"comparison of {len(payload['runs'])} runs (mean ± std over seeds{target})", cols, rows)
+    corr = [[f"{METRICS[c['x']]} vs {METRICS[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
+             str(c["n"]), c["note"] or ""] for c in payload["correlations"]]
+    console.table("Spearman rank correlation across runs", ["pair", "rho", "p", "p from", "n", "note"], corr)
+    if payload["pairwise"]:
+        level = f"{payload['level']:.0%}"
+        pairs = [[METRICS[p["metric"]], f"{p['a']} - {p['b']}", _num(p["diff"]),
+                  "" if p["lo"] is None else f"[{_num(p['lo'])}, {_num(p['hi'])}]", _num(p["p"]),
+                  f"{p['n_a']}/{p['n_b']}", p["note"] or ""] for p in payload["pairwise"]]
+        console.table(f"pairwise differences (Welch t {level} intervals over seeds)",
+                      ["metric", "a - b", "diff", f"{level} CI", "p", "n", "note"], pairs)
+    for name, runs in payload["missing"].items():
+        if runs:
+            shown = ", ".join(Path(r).name for r in runs[:6]) + (" ..." if len(runs) > 6 else "")
+            console.result(f"missing {name} report: {len(runs)} of {len(payload['runs'])} runs ({shown})")
+    for n in payload["notes"]:
+        console.result(f"note: {n}")
+
+
+@app.command()
+@guarded
+def compare(
+    paths: Annotated[list[Path], typer.Argument(help="study directories (from cemtool sweep), runs, fine-tune runs "
+                                                     "or folders of runs")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="where compare.csv, compare_runs.csv, "
+                                                "compare.md and reports/compare.json go; default the study "
+                                                "directory (one study given), else ./compare")] = None,
+    target: Annotated[Optional[str], typer.Option(help="the forgetting target to use when runs were fine-tuned on "
+                                                       "several")] = None,
+    level: Annotated[float, typer.Option(help="confidence level of the pairwise intervals (default 0.95)")] = 0.95,
+    json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
+) -> None:
+    """Compare architectures from their reports alone (no checkpoints): val loss, parameters, FLOPs/token,
+    λ_max, λ_min, tr(H)/n, forgetting, plasticity, last-layer value entropy and separability (mean ± std over
+    seeds); Spearman correlations of sharpness with forgetting; pairwise differences with Welch intervals."""
+    from cemtool.analysis.compare import compare as compare_runs
+    from cemtool.analysis.compare import write_compare
+
+    payload = compare_runs(paths, target=target, level=level)
+    if out is None:
+        out = paths[0] if len(paths) == 1 and (paths[0] / "study.json").is_file() else Path("compare")
+    written = write_compare(payload, out)
+    if json_:
+        console.print_json(payload)
+        return
+    print_compare(payload)
+    console.result(f"wrote {written['csv']}, {written['runs_csv']}, {written['md']} and {written['json']}")

@@ -1,0 +1,141 @@
+"""cemtool sweep: train architectures x seeds on the same tokens, analyse each, in one resumable study folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+from cemtool.errors import CemtoolError
+
+
+class SweepReporter:
+    """One line per item and analysis, a progress bar per training (the item's, then its fine-tune's)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.bar = console.progress(quiet)
+        self.task = None
+        self.stage: dict[str, str] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.__exit__(*exc)
+
+    def line(self, msg: str) -> None:
+        if not self.quiet:
+            self.bar.console.print(msg, markup=False)
+
+    def __call__(self, ev: dict) -> None:
+        kind, item = ev["kind"], ev["item"]
+        if kind == "item" and ev["status"] == "start":
+            self.stage[item] = "train"
+            self.line(f"[{ev['index'] + 1}/{ev['total']}] {item}")
+        elif kind == "analysis":
+            self.stage[item] = ev["analysis"]
+            err = f": {ev['error']}" if ev.get("error") else ""
+            if ev["status"] != "running":
+                self.line(f"  {item} {ev['analysis']}: {ev['status']}{err}")
+        elif kind == "start" and not self.quiet:
+            name = item if self.stage.get(item) == "train" else f"{item} {self.stage.get(item)}"
+            self.task = self.bar.add_task(name, total=ev["total"], completed=ev["step"], status="")
+        elif kind == "step" and self.task is not None:
+            self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}")
+        elif kind == "end":
+            vl = f"val loss {ev['val_loss']:.4f}" if ev.get("val_loss") is not None else ""
+            self.line(f"  {item} {'training' if self.stage.get(item) == 'train' else self.stage.get(item)}: "
+                      f"{ev['status']} at step {ev['step']} {vl}")
+
+
+def _fmt(v, digits: int = 4) -> str:
+    if v is None:
+        return ""
+    return f"{v:.{digits}f}" if isinstance(v, float) else f"{v:,}"
+
+
+def print_study(manifest: dict, path: Path) -> None:
+    plan = manifest["plan"]
+    rows = []
+    for it in manifest["items"]:
+        rows.append([it["name"], it["status"], _fmt(it.get("step")), _fmt(it.get("val_loss")), _fmt(it.get("params")),
+                     "" if it.get("flops_per_token") is None else f"{it['flops_per_token']:.3g}",
+                     "" if it.get("total_flops") is None else f"{it['total_flops']:.3g}",
+                     *[it["analyses"][n]["status"] for n in plan["analyses"]]])
+    console.table(f"study {path}: {len(plan['archs'])} architectures x {len(plan['seeds'])} seeds, "
+                  f"{plan['tokens']:,} tokens each on {plan['data']}",
+                  ["item", "status", "steps", "val loss", "params", "FLOPs/tok", "FLOPs", *plan["analyses"]], rows)
+    console.result(f"study: {path / 'study.json'} ({manifest['status']}); compare with: cemtool compare {path}")
+
+
+@app.command()
+@guarded
+def sweep(
+    archs: Annotated[Optional[str], typer.Option(help="comma-separated architectures, e.g. baseline,tmm,lime")]
+    = None,
+    seeds: Annotated[Optional[str], typer.Option(help="comma-separated seeds (default 0)")] = None,
+    tokens: Annotated[Optional[int], typer.Option(help="training tokens of every run (sets train.max_tokens); "
+                                                       "default what the first architecture's config trains on")]
+    = None,
+    data: Annotated[str, typer.Option("--data", "-d", help="training data of every run: grammar (default), pydoc, "
+                                                           "or a .txt file / folder")] = "grammar",
+    set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="config override for every run "
+                                                      "(repeatable), e.g. model.d_model=64")] = None,
+    analyses: Annotated[str, typer.Option(help="comma-separated analyses after training: sharpness, collapse, "
+                                               "forgetting (default none)")] = "",
+    to: Annotated[Optional[str], typer.Option("--to", help="forgetting target data (default grammar-b for grammar "
+                                                           "runs; required for text runs)")] = None,
+    option: Annotated[Optional[list[str]], typer.Option("--analysis-option", "-A", help="analysis.key=value for "
+                                                        "an analysis (repeatable), e.g. sharpness.tokens=1024, "
+                                                        "collapse.per_class=64, forgetting.steps=200")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="the study directory (rerunning the same "
+                                                "command there continues it)")] = None,
+    resume: Annotated[Optional[Path], typer.Option(help="continue the study in this directory as it was planned")]
+    = None,
+    device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")] = "auto",
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print study.json")] = False,
+) -> None:
+    """Train every architecture x seed on the same number of tokens (reporting parameters, FLOPs/token and total
+    FLOPs), run the chosen analyses on each, and keep it all in one study directory with a study.json manifest.
+    Interrupted (Ctrl-C, a kill), it continues where it stopped when run again: completed runs and existing
+    reports are skipped, unfinished runs resume from their last checkpoint."""
+    from cemtool.config import merge, parse_override
+    from cemtool.sweep import make_plan, run_sweep
+
+    if resume is not None:
+        if archs or seeds or tokens or set_ or analyses or to or option or out or data != "grammar":
+            raise typer.BadParameter("--resume continues a study as planned; it takes no plan options",
+                                     param_hint="--resume")
+        plan, path = None, resume
+    else:
+        if archs is None:
+            raise typer.BadParameter("give the architectures, e.g. --archs baseline,tmm,lime", param_hint="--archs")
+        if out is None:
+            raise typer.BadParameter("give the study directory, e.g. --out runs/study", param_hint="--out")
+        options: dict = {}
+        for item in option or []:
+            if "." not in item.split("=", 1)[0]:
+                raise CemtoolError(f"--analysis-option {item!r} is not of the form analysis.key=value")
+            options = merge(options, parse_override(item))
+        plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data, overrides=set_ or [],
+                         analyses=analyses, target=to, options=options)
+        path = out
+    with SweepReporter(quiet) as rep:
+        manifest = run_sweep(path, plan, device=device, callback=rep)
+    if json_:
+        console.print_json(manifest)
+    else:
+        print_study(manifest, path)
+    failed = [f"{it['name']}: {it['error']}" for it in manifest["items"] if it["status"] == "failed"]
+    failed += [f"{it['name']} {n}: {a['error']}" for it in manifest["items"] for n, a in it["analyses"].items()
+               if a["status"] == "failed"]
+    if failed:
+        raise CemtoolError(f"{len(failed)} part(s) of the study failed; first: {failed[0]}",
+                           hint="see study.json; rerun the same command to retry them")

@@ -1,0 +1,209 @@
+"""`cemtool compare`: statistics against closed forms and simulation, synthetic reports with known rank order,
+a real tiny study compared after its checkpoints are deleted, and bad input."""
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+from typer.testing import CliRunner
+
+from cemtool.analysis.compare import compare, spearman, welch
+from cemtool.config import replace, resolve, to_dict
+from cemtool.sweep import make_plan, run_sweep
+
+from conftest import TINY
+
+runner = CliRunner()
+
+
+def app():
+    from cemtool.cli.main import app
+
+    return app
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def test_spearman_known_orders():
+    x = [0.1, 0.4, 0.2, 0.9, 0.5, 0.3]
+    up = [2 * v + 1 for v in x]
+    r = spearman(x, up)
+    assert r["rho"] == 1.0 and r["p"] == pytest.approx(2 / math.factorial(6)) and r["p_method"] == "exact permutation"
+    assert spearman(x, [-v for v in x])["rho"] == -1.0
+    # the exact p-value equals brute force over all orderings of y
+    y = [3, 1, 2, 6, 4, 5]
+    rho = stats.spearmanr(x, y).statistic
+    brute = np.mean([abs(stats.spearmanr(x, p).statistic) >= abs(rho) - 1e-12 for p in itertools.permutations(y)])
+    assert spearman(x, y)["rho"] == pytest.approx(rho) and spearman(x, y)["p"] == pytest.approx(brute)
+    big = np.random.default_rng(0).normal(size=(2, 15))
+    r = spearman(list(big[0]), list(big[1]))
+    ref = stats.spearmanr(big[0], big[1])
+    assert (r["rho"], r["p"], r["p_method"]) == (pytest.approx(ref.statistic), pytest.approx(ref.pvalue),
+                                                 "t approximation")
+    assert spearman([1, 2], [1, 2])["rho"] is None and spearman([1, 1, 1], [1, 2, 3])["rho"] is None
+
+
+def test_welch_interval_formula():
+    a, b = [1.2, 0.7, 1.9, 1.1], [0.2, 0.4, 0.1, 0.5, 0.3]
+    r = welch(a, b, 0.9)
+    va, vb = np.var(a, ddof=1) / 4, np.var(b, ddof=1) / 5
+    df = (va + vb) ** 2 / (va ** 2 / 3 + vb ** 2 / 4)  # Welch-Satterthwaite
+    half = stats.t.ppf(0.95, df) * math.sqrt(va + vb)
+    d = np.mean(a) - np.mean(b)
+    assert r["diff"] == pytest.approx(d) and r["df"] == pytest.approx(df)
+    assert (r["lo"], r["hi"]) == (pytest.approx(d - half), pytest.approx(d + half))
+    assert welch([1.0], [2.0, 3.0])["lo"] is None
+    assert welch([1.0, 1.0], [0.5, 0.5]) | {"note": None} == {"diff": 0.5, "lo": 0.5, "hi": 0.5, "df": None,
+                                                              "p": None, "n_a": 2, "n_b": 2, "note": None}
+
+
+def test_welch_interval_covers_the_true_difference():
+    """Over 2000 constructed experiments (unequal variances and sizes), the 95% interval contains the true
+    difference of means about 95% of the time."""
+    rng = np.random.default_rng(1)
+    hits = 0
+    for _ in range(2000):
+        a, b = rng.normal(1.0, 0.5, size=4), rng.normal(0.3, 0.1, size=6)
+        r = welch(list(a), list(b))
+        hits += r["lo"] <= 0.7 <= r["hi"]
+    assert abs(hits / 2000 - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 2000)
+
+
+# ---------------------------------------------------------------------- synthetic reports
+
+
+def fake_run(root: Path, name: str, arch: str, seed: int, val_loss: float, sharp=None, forget=None, target="grammar-b",
+             extra=()) -> Path:
+    """A run directory holding only what training and the analyses leave as records (no checkpoints)."""
+    d = root / name
+    (d / "reports").mkdir(parents=True)
+    cfg = replace(resolve(arch=arch, overrides=[*TINY, *extra], seed=seed), **{"model.vocab_size": 64,
+                                                                               "model.max_seq_len": 16})
+    (d / "config.json").write_text(json.dumps(to_dict(cfg)))
+    (d / "meta.json").write_text(json.dumps({"status": "completed", "val_loss": val_loss, "tokens": 3840}))
+    if sharp is not None:
+        lmax, lmin, tr = sharp
+        (d / "reports" / "sharpness.json").write_text(json.dumps(
+            {"tokens": 512, "eigen": {"top": [lmax, lmax / 2], "bottom": [lmin], "ritz_values": [lmin, lmax]},
+             "traces": [{"method": "xtrace", "per_param": tr, "per_param_se": tr / 10}]}))
+    if forget is not None:
+        ft = root / f"{name}-ft-{target}"
+        (ft / "reports").mkdir(parents=True)
+        (ft / "config.json").write_text(json.dumps(to_dict(cfg)))
+        (ft / "meta.json").write_text(json.dumps({"status": "completed", "parent": str(d.resolve())}))
+        (ft / "reports" / "forgetting.json").write_text(json.dumps(
+            {"target": {"data": target}, "forgetting": forget[0], "plasticity": forget[1]}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """baseline and tmm x 3 seeds; forgetting an increasing function of tr(H)/n and of λ_max."""
+    root = tmp_path_factory.mktemp("syn")
+    tr = {"baseline": [3.0, 3.2, 2.9], "tmm": [1.4, 1.5, 1.6]}
+    for arch, seed in itertools.product(("baseline", "tmm"), range(3)):
+        t = tr[arch][seed]
+        fake_run(root, f"{arch}-s{seed}", arch, seed, 5.0 + 0.1 * seed + (arch == "tmm") * 0.05,
+                 sharp=(10 * t, -t / 5, t * 1e-3), forget=(0.25 * t, 0.1 + seed * 0.01))
+    return root
+
+
+def test_synthetic_reports(synthetic):
+    p = compare([synthetic])
+    assert {a["label"]: a["n"] for a in p["archs"]} == {"baseline": 3, "tmm": 3}
+    corr = {c["x"]: c for c in p["correlations"]}
+    assert corr["trace_per_param"]["rho"] == 1.0 and corr["lambda_max"]["rho"] == 1.0
+    assert corr["trace_per_param"]["p"] == pytest.approx(2 / 720) and corr["trace_per_param"]["n"] == 6
+    base = next(a for a in p["archs"] if a["label"] == "baseline")
+    assert base["forgetting"]["mean"] == pytest.approx(0.25 * np.mean([3.0, 3.2, 2.9]))
+    assert base["forgetting"]["std"] == pytest.approx(0.25 * np.std([3.0, 3.2, 2.9], ddof=1))
+    assert base["lambda_min"]["mean"] == pytest.approx(-np.mean([3.0, 3.2, 2.9]) / 5)
+    assert base["value_entropy"] is None and base["params"]["mean"] > 0 and base["flops_per_token"]["mean"] > 0
+    pair = next(q for q in p["pairwise"] if q["metric"] == "forgetting")
+    assert (pair["a"], pair["b"]) == ("baseline", "tmm")
+    assert pair["diff"] == pytest.approx(0.25 * (np.mean([3.0, 3.2, 2.9]) - 1.5)) and pair["lo"] < pair["diff"]
+    assert len(p["missing"]["collapse"]) == 6 and not p["missing"]["sharpness"] and not p["missing"]["forgetting"]
+    assert p["target"] == "grammar-b"
+
+
+def test_synthetic_cli_and_files(synthetic, tmp_path):
+    res = runner.invoke(app(), ["compare", str(synthetic), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    for word in ("baseline", "tmm", "forgetting", "tr(H)/n", "Spearman", "exact permutation", "missing collapse"):
+        assert word in res.stdout, word
+    payload = json.loads((tmp_path / "c" / "reports" / "compare.json").read_text())
+    assert [a["label"] for a in payload["archs"]] == ["baseline", "tmm"]
+    csv = (tmp_path / "c" / "compare.csv").read_text().splitlines()
+    assert len(csv) == 3 and "forgetting_mean" in csv[0]
+    assert (tmp_path / "c" / "compare_runs.csv").read_text().count("\n") == 7
+    assert "| baseline | 3 |" in (tmp_path / "c" / "compare.md").read_text()
+
+
+def test_groups_of_one_arch_get_distinct_labels(tmp_path):
+    for seed in range(2):
+        fake_run(tmp_path, f"a{seed}", "baseline", seed, 5.0, sharp=(1.0, -0.1, 1e-3))
+        fake_run(tmp_path, f"b{seed}", "baseline", seed, 4.0, sharp=(2.0, -0.2, 2e-3), extra=["model.d_model=64"])
+    p = compare([tmp_path])
+    assert sorted(a["label"] for a in p["archs"]) == ["baseline[model.d_model=32]", "baseline[model.d_model=64]"]
+
+
+def test_several_targets_need_a_choice(tmp_path):
+    fake_run(tmp_path, "r0", "baseline", 0, 5.0, forget=(0.1, 0.2))
+    fake_run(tmp_path, "r1", "baseline", 1, 5.0, forget=(0.3, 0.4), target="pydoc")
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 1 and "several targets (grammar-b, pydoc)" in res.output
+    p = compare([tmp_path], target="pydoc")
+    assert [r["forgetting"] for r in p["runs"]] == [None, 0.3]
+
+
+# ---------------------------------------------------------------------- a real tiny study, checkpoints deleted
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cmp") / "study"
+    plan = make_plan("baseline,tmm", "0,1", tokens=20 * 8 * 16, overrides=TINY, analyses="forgetting",
+                     options={"forgetting": {"steps": 4, "eval_every": 2}})
+    run_sweep(out, plan, device="cpu")
+    for ck in out.rglob("*.safetensors"):
+        ck.unlink()
+    return out
+
+
+def test_real_study_from_reports_alone(study):
+    res = runner.invoke(app(), ["compare", str(study)])
+    assert res.exit_code == 0, res.output
+    assert "missing sharpness report: 4 of 4 runs" in res.stdout
+    p = json.loads((study / "reports" / "compare.json").read_text())
+    assert (study / "compare.md").exists() and (study / "compare.csv").exists()
+    m = json.loads((study / "study.json").read_text())
+    for a in p["archs"]:
+        items = [i for i in m["items"] if i["arch"] == a["label"]]
+        reports = [json.loads((study / i["analyses"]["forgetting"]["report"]).read_text()) for i in items]
+        assert a["n"] == 2 and a["seeds"] == [0, 1]
+        assert a["val_loss"]["mean"] == pytest.approx(np.mean([i["val_loss"] for i in items]))
+        assert a["forgetting"]["mean"] == pytest.approx(np.mean([r["forgetting"] for r in reports]))
+        assert a["plasticity"]["std"] == pytest.approx(np.std([r["plasticity"] for r in reports], ddof=1))
+        assert a["flops_per_token"]["mean"] == items[0]["flops_per_token"] and a["lambda_max"] is None
+    # a fine-tune run stands for its parent; a plain run is a row
+    q = compare([study / "baseline-s0-ft-grammar-b", study / "tmm-s1"])
+    assert [(r["arch"], r["seed"]) for r in q["runs"]] == [("baseline", 0), ("tmm", 1)]
+    assert q["runs"][1]["forgetting"] is not None              # found beside its parent
+
+
+def test_bad_input_one_line(study, tmp_path):
+    plain = fake_run(tmp_path / "plain", "r", "baseline", 0, 5.0)  # trained, never analysed
+    cases = [(["compare", str(tmp_path / "nope")], "does not exist"),
+             (["compare", str(tmp_path / "plain" / "r" / "reports")], "holds no runs"),
+             (["compare", str(study), "--level", "1.5"], "confidence level"),
+             (["compare", str(plain)], "no analysis reports found for the 1 run(s)"),
+             (["compare", str(study / "tmm-s0"), "--target", "pydoc"], "no analysis reports")]
+    for args, message in cases:
+        res = runner.invoke(app(), [*args, "--out", str(tmp_path / "o")])
+        assert res.exit_code == 1, (args, res.output)
+        assert res.output.startswith("Error:") and message in res.output.splitlines()[0], res.output

@@ -1,0 +1,187 @@
+"""`cemtool sweep`: a study of architectures x seeds on equal tokens, interrupted (SIGKILL of a real process, and a
+Ctrl-C inside training) and resumed without redoing completed work; compute accounting; bad input."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cemtool.analysis.compute import arch_row
+from cemtool.errors import CemtoolError
+from cemtool.sweep import make_plan, run_sweep
+
+from conftest import TINY
+
+runner = CliRunner()
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TOKENS = 30 * 8 * 16  # TINY: 30 steps of 8 x 16 tokens
+
+
+def sets(*extra):
+    out = []
+    for s in [*TINY, *extra]:
+        out += ["--set", s]
+    return out
+
+
+def app():
+    from cemtool.cli.main import app
+
+    return app
+
+
+def snapshot(*roots: Path) -> dict[str, tuple[str, int]]:
+    return {str(p): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for root in roots for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "study.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A real `cemtool sweep` process SIGKILLed once its first item (training + collapse) is complete, then the same
+    sweep resumed in-process. Returns the study dir, the first item's files before/after, and the resume output."""
+    out = tmp_path_factory.mktemp("kill") / "study"
+    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", "baseline,tmm", "--seeds", "0", "--tokens",
+            str(TOKENS), *sets(), "--analyses", "collapse", "-A", "collapse.tokens=2048", "-A",
+            "collapse.per_class=16", "--out", str(out), "--device", "cpu", "-q"]
+    proc = subprocess.Popen(args, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 180
+    while True:
+        assert proc.poll() is None, f"the sweep ended before it could be killed: {proc.stderr.read()}"
+        assert time.time() < deadline, "the first item never completed"
+        try:
+            first = manifest(out)["items"][0]
+        except (FileNotFoundError, json.JSONDecodeError):
+            first = None
+        if first and first["status"] == "completed" and first["analyses"]["collapse"]["status"] == "completed":
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    m = manifest(out)
+    assert m["status"] == "running" and m["items"][1]["status"] in ("pending", "running")
+    before = snapshot(out / "baseline-s0")
+    res = runner.invoke(app(), ["sweep", "--resume", str(out), "--device", "cpu", "-q"])
+    return out, before, snapshot(out / "baseline-s0"), res
+
+
+def test_killed_sweep_resumes_and_completes(killed):
+    out, before, after, res = killed
+    assert res.exit_code == 0, res.output
+    assert "study:" in res.stdout and "completed" in res.stdout
+    m = manifest(out)
+    assert m["status"] == "completed"
+    assert [i["status"] for i in m["items"]] == ["completed", "completed"]
+    assert all(i["step"] == 30 and i["tokens"] == TOKENS for i in m["items"])
+    assert (out / "tmm-s0" / "reports" / "collapse.json").exists()
+    assert after == before                                     # the completed item: not a byte or mtime changed
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """An in-process sweep stopped by Ctrl-C inside the second item's training, then resumed."""
+    out = tmp_path_factory.mktemp("ctrlc") / "study"
+    plan = make_plan("baseline,tmm", "0", tokens=TOKENS, overrides=TINY, analyses="sharpness,forgetting",
+                     options={"sharpness": {"tokens": 256, "top_k": 1, "lanczos_steps": 6, "trace_hvps": 4,
+                                            "density_runs": 0, "landscape": "none", "avg_samples": 2},
+                              "forgetting": {"steps": 4, "eval_every": 2}})
+
+    def stop(ev):
+        if ev["item"] == "tmm-s0" and ev["kind"] == "step" and ev["step"] == 15:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(out, plan, device="cpu", callback=stop)
+    stopped = manifest(out)
+    stopped["run_status"] = json.loads((out / "tmm-s0" / "meta.json").read_text())["status"]
+    first = [out / "baseline-s0", out / "baseline-s0-ft-grammar-b"]
+    before = snapshot(*first)
+    events: list[dict] = []
+    done = run_sweep(out, device="cpu", callback=events.append)
+    return out, stopped, done, events, before, snapshot(*first)
+
+
+def test_interrupted_sweep_resumes_from_the_checkpoint(interrupted):
+    out, stopped, done, events, before, after = interrupted
+    assert stopped["status"] == "interrupted"
+    assert [i["status"] for i in stopped["items"]] == ["completed", "interrupted"]
+    assert stopped["run_status"] == "interrupted"
+    starts = [(e["item"], e["step"]) for e in events if e["kind"] == "start"]
+    assert starts == [("tmm-s0", 10), ("tmm-s0", 0)]          # training resumed at step 10, then its fine-tune
+    skipped = [(e["item"], e["analysis"]) for e in events if e["kind"] == "analysis" and e["status"] == "skipped"]
+    assert skipped == [("baseline-s0", "sharpness"), ("baseline-s0", "forgetting")]
+    assert after == before
+    assert done["status"] == "completed"
+    for it in done["items"]:
+        assert it["status"] == "completed" and it["step"] == 30
+        for name, a in it["analyses"].items():
+            assert a["status"] == "completed" and (out / a["report"]).exists(), name
+    assert done["items"][1]["analyses"]["forgetting"]["run"] == "tmm-s0-ft-grammar-b"
+    sharp = json.loads((out / "tmm-s0" / "reports" / "sharpness.json").read_text())
+    assert sharp["tokens"] == 256 and len(sharp["eigen"]["top"]) == 1
+
+
+def test_resumed_training_equals_uninterrupted(killed, interrupted):
+    """The two studies train the same items; one was SIGKILLed, the other stopped at step 15 and resumed from its
+    step-10 checkpoint: the final losses agree exactly (resume is bit-exact on the CPU)."""
+    a, b = manifest(killed[0]), interrupted[2]
+    assert [i["val_loss"] for i in a["items"]] == [i["val_loss"] for i in b["items"]]
+
+
+def test_compute_accounting(interrupted):
+    done = interrupted[2]
+    for it in done["items"]:
+        meta = json.loads((interrupted[0] / it["run"] / "meta.json").read_text())
+        row = arch_row(it["arch"], TINY, vocab=483, seq_len=16)  # the grammar's 483 words
+        assert it["params"] == meta["params"]["total"] == row["params"]
+        assert it["flops_per_token"] == row["flops_train"]
+        assert it["total_flops"] == it["flops_per_token"] * TOKENS
+    assert done["items"][0]["params"] < done["items"][1]["params"]  # tmm's learned stream embeddings
+
+
+def test_rerunning_a_finished_study_changes_nothing(interrupted, tmp_path):
+    out = interrupted[0]
+    before = snapshot(out)
+    events: list[dict] = []
+    run_sweep(out, device="cpu", callback=events.append)
+    assert not [e for e in events if e["kind"] == "start"]
+    changed = {k for k, v in snapshot(out).items() if before.get(k) != v}
+    assert changed <= {str(out / "study.json"), str(out / ".lock")}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--archs", "baseline,nope"], "unknown architecture 'nope'"),
+    (["--archs", "baseline", "--seeds", ","], "no seeds given"),
+    (["--archs", "baseline", "--seeds", "0,x"], "seeds must be integers"),
+    (["--archs", "baseline", "--seeds", "1,1"], "listed twice"),
+    (["--archs", "baseline", "--analyses", "hessian"], "unknown analysis 'hessian'"),
+    (["--archs", "baseline", "--data", "pydoc", "--analyses", "forgetting"], "forgetting needs target data"),
+    (["--archs", "baseline", "--analyses", "forgetting", "--to", "pydoc"], "cannot be tokenized"),
+    (["--archs", "baseline", "--analyses", "collapse", "-A", "collapse.nope=1"], "unknown collapse option"),
+    (["--archs", "baseline", "--tokens", "0"], "must be positive"),
+])
+def test_bad_plan_one_line(args, message, tmp_path):
+    res = runner.invoke(app(), ["sweep", *args, "--out", str(tmp_path / "s"), "-q"])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
+    assert not (tmp_path / "s").exists()
+
+
+def test_other_plan_in_existing_study_is_refused(interrupted):
+    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--tokens", str(TOKENS), *sets(), "--out",
+                                str(interrupted[0]), "-q"])
+    assert res.exit_code == 1 and "planned with other settings" in res.output
+    res = runner.invoke(app(), ["sweep", "--resume", str(interrupted[0]), "--archs", "tmm"])
+    assert res.exit_code == 2
+    with pytest.raises(CemtoolError, match="holds no study"):
+        run_sweep(interrupted[0] / "baseline-s0")
