@@ -198,12 +198,11 @@ def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callba
 
 
 def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    # the run -> payload measurement lives in the command module (measure_run); it prints nothing
-    from cemtool.cli.collapse_cmd import all_rows, measure_run
+    from cemtool.analysis.collapse import all_rows, measure_run
     from cemtool.report import provenance, write_report
 
     opts = {**COLLAPSE_DEFAULTS, **options}
-    r = measure_run(run_path, label=run_path.name, device=str(device), **opts)
+    r = measure_run(run_path, label=run_path.name, device=device, **opts)
     single = {"provenance": provenance(r["run"], seed=opts["seed"], checkpoint=r["checkpoint"], step=r["step"],
                                        command="collapse-report", options=opts), "runs": [r]}
     write_report(Path(r["run"]) / "reports", "collapse", single, all_rows(single))

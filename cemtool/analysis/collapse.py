@@ -649,3 +649,46 @@ __all__ = ["DEFAULT_WORDS", "Moments", "ProbeClasses", "attention_row_stats", "c
            "effective_rank", "effective_rank_from_singular", "fit_logistic", "gram_eigenvalues", "gram_entropy",
            "layer_summary", "matrix_entropy", "mean_pairwise_cosine", "probe_accuracy", "probe_classes",
            "renyi_entropy", "report_rows", "summarise_attention"]
+
+
+def measure_run(path, *, label: str, checkpoint: str = "final", tokens: int, seq_len: int | None,
+                batch_size: int, alpha: float, words: list[str] | None, k: int, folds: int, per_class: int,
+                seed: int, device: torch.device | str = "cpu",
+                progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Load a run, measure it on its validation windows, return the per-run payload (what
+    reports/collapse.json holds under ``runs[0]``): collapse measures, per-layer summary, LIMe routing and
+    momentum-stream scalars (each "not applicable" where the architecture has none)."""
+    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
+    from cemtool.analysis.routing import lime_routing, stream_scalars
+    from cemtool.data.corpus import load_corpus, windows
+    from cemtool.runs import load_run
+
+    loaded = load_run(path, checkpoint=checkpoint, device=device)
+    cfg = loaded.config
+    T = seq_len or cfg.data.seq_len
+    if T > cfg.model.max_seq_len:
+        raise CemtoolError(f"--seq-len {T} is longer than the model's max_seq_len {cfg.model.max_seq_len}")
+    if tokens < T:
+        raise CemtoolError(f"--tokens {tokens} is fewer than one window of {T} tokens")
+    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
+    starts = corpus.eval_windows(T, tokens)
+    x, _ = windows(corpus.val, starts, T)  # (n, T)
+    classes = probe_classes(loaded.tokenizer, x.numpy(), words, k, cfg.model.vocab_size)
+    report = collapse_report(loaded.model, x, alpha=alpha, classes=classes, folds=folds, per_class=per_class,
+                             batch_size=batch_size, seed=seed, device=device, progress=progress)
+    mean_mix = {e["layer"]: e["routing_mean"] for e in report["layers"] if "routing_mean" in e}
+    return {"label": label, "run": str(loaded.run.path), "arch": cfg.model.arch, "checkpoint": str(loaded.checkpoint),
+            "step": loaded.step, "collapse": report, "summary": layer_summary(report),
+            "routing": lime_routing(loaded.model, mean_mix), "stream_scalars": stream_scalars(loaded.model)}
+
+
+def all_rows(payload: dict) -> list[dict]:
+    """CSV rows of a collapse payload: measures, routing and stream scalars of every run."""
+    from cemtool.analysis.routing import routing_rows, stream_rows
+
+    rows = []
+    for r in payload["runs"]:
+        rows += report_rows(r["collapse"], r["label"], r["arch"])
+        rows += routing_rows(r["routing"], r["label"], r["arch"])
+        rows += stream_rows(r["stream_scalars"], r["label"], r["arch"])
+    return rows

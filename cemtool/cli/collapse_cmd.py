@@ -11,7 +11,6 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
-from cemtool.errors import CemtoolError
 
 
 def _label(path: Path, taken: set[str]) -> str:
@@ -23,55 +22,18 @@ def _label(path: Path, taken: set[str]) -> str:
     return label
 
 
-def measure_run(path: Path, *, label: str, checkpoint: str, tokens: int, seq_len: int | None, batch_size: int,
-                alpha: float, words: list[str] | None, k: int, folds: int, per_class: int, seed: int,
-                device: str, bar=None) -> dict:
-    """Load a run, measure it, return the per-run payload (what reports/collapse.json holds under runs[0])."""
-    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
-    from cemtool.analysis.collapse import collapse_report, layer_summary, probe_classes
-    from cemtool.analysis.routing import lime_routing, stream_scalars
-    from cemtool.data.corpus import load_corpus, windows
-    from cemtool.runs import load_run
-    from cemtool.train import pick_device
-
-    dev = pick_device(device)
-    loaded = load_run(path, checkpoint=checkpoint, device=dev)
-    cfg = loaded.config
-    T = seq_len or cfg.data.seq_len
-    if T > cfg.model.max_seq_len:
-        raise CemtoolError(f"--seq-len {T} is longer than the model's max_seq_len {cfg.model.max_seq_len}")
-    if tokens < T:
-        raise CemtoolError(f"--tokens {tokens} is fewer than one window of {T} tokens")
-    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
-    starts = corpus.eval_windows(T, tokens)
-    x, _ = windows(corpus.val, starts, T)  # (n, T)
-    classes = probe_classes(loaded.tokenizer, x.numpy(), words, k, cfg.model.vocab_size)
-    task = None
-    if bar is not None:
-        task = bar.add_task(label, total=2 * ((len(x) + batch_size - 1) // batch_size), status="")
+def _bar_progress(bar, label: str):
+    """A measure_run progress callback that advances one rich task (created on the first call)."""
+    if bar is None:
+        return None
+    state: dict = {}
 
     def progress(stage: str, done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(task, advance=1, status=stage)
+        if "task" not in state:
+            state["task"] = bar.add_task(label, total=total, status="")
+        bar.update(state["task"], completed=done, total=total, status=stage)
 
-    report = collapse_report(loaded.model, x, alpha=alpha, classes=classes, folds=folds, per_class=per_class,
-                             batch_size=batch_size, seed=seed, device=dev, progress=progress)
-    mean_mix = {e["layer"]: e["routing_mean"] for e in report["layers"] if "routing_mean" in e}
-    return {"label": label, "run": str(loaded.run.path), "arch": cfg.model.arch, "checkpoint": str(loaded.checkpoint),
-            "step": loaded.step, "collapse": report, "summary": layer_summary(report),
-            "routing": lime_routing(loaded.model, mean_mix), "stream_scalars": stream_scalars(loaded.model)}
-
-
-def all_rows(payload: dict) -> list[dict]:
-    from cemtool.analysis.collapse import report_rows
-    from cemtool.analysis.routing import routing_rows, stream_rows
-
-    rows = []
-    for r in payload["runs"]:
-        rows += report_rows(r["collapse"], r["label"], r["arch"])
-        rows += routing_rows(r["routing"], r["label"], r["arch"])
-        rows += stream_rows(r["stream_scalars"], r["label"], r["arch"])
-    return rows
+    return progress
 
 
 def _f(v, digits: int = 3) -> str:
@@ -138,7 +100,9 @@ def collapse_report_cmd(
 ) -> None:
     """Value/hidden-state entropy, token separability, effective rank, cosine similarity, attention statistics,
     LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
+    from cemtool.analysis.collapse import all_rows, measure_run
     from cemtool.report import provenance, write_report
+    from cemtool.train import pick_device
 
     if not alpha > 0:
         raise typer.BadParameter(f"{alpha} is not a valid Rényi order (must be > 0)", param_hint="--alpha")
@@ -156,7 +120,8 @@ def collapse_report_cmd(
     measured = []
     with console.progress(quiet) as bar:
         for p, label in zip(runs, labels, strict=True):
-            measured.append(measure_run(p, label=label, device=device, bar=bar, **options))
+            measured.append(measure_run(p, label=label, device=pick_device(device), progress=_bar_progress(bar, label),
+                                             **options))
 
     written = []
     for r in measured:  # each run's own report
