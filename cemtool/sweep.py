@@ -10,7 +10,7 @@ the tokens trained) are recorded. Then the chosen analyses run on it, through th
   payload as ``cemtool sharpness``; options: ``tokens`` and the SharpnessOptions fields),
 - ``collapse``: the measurement of ``cemtool collapse-report`` -> ``<item>/reports/collapse.json`` (options: its
   ``tokens``, ``batch_size``, ``alpha``, ``words``, ``k``, ``folds``, ``per_class``, ``seed``, ...),
-- ``forgetting``: ``cemtool.analysis.forgetting.fine_tune`` -> a fine-tune run ``<item>-ft-<target>`` beside the
+- ``forgetting``: ``cemtool.forgetting.fine_tune`` -> a fine-tune run ``<item>-ft-<target>`` beside the
   item, holding ``reports/forgetting.json`` (options: ``steps``, ``warmup_steps``, ``eval_every``,
   ``eval_tokens``, ``checkpoint`` and the Recipe fields ``lr``, ``beta1``, ...).
 
@@ -138,7 +138,7 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     if "forgetting" not in chosen:
         target = None
     else:  # grammar corpora are read with their word tokenizer, text never is
-        from cemtool.analysis.forgetting import check_tokenizer
+        from cemtool.forgetting import check_tokenizer
 
         check_tokenizer("word" if data in GRAMMARS else "text", target)
     options = {k: dict(v) for k, v in (options or {}).items()}
@@ -171,7 +171,7 @@ def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, 
     """(report file, fine-tune run dir or None) of one analysis of one item."""
     run = study / item["run"]
     if name == "forgetting":
-        from cemtool.analysis.forgetting import target_slug
+        from cemtool.forgetting import target_slug
 
         ft = study / f"{item['run']}-ft-{target_slug(plan.target)}"
         return ft / "reports" / "forgetting.json", ft
@@ -210,7 +210,7 @@ def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callbac
 
 def _forgetting(run_path: Path, options: dict, device: torch.device, emit: Callback, target: str,
                 out: Path) -> None:
-    from cemtool.analysis.forgetting import fine_tune
+    from cemtool.forgetting import fine_tune
 
     opts = dict(options)
     kw = {k: opts.pop(k) for k in ("steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint") if k in opts}
@@ -323,7 +323,7 @@ def _corpus(cfg: RunConfig, corpora: dict):
 
 def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
     """Train one item, or continue it, or skip it if completed; record its compute."""
-    from cemtool.analysis.forgetting import clear_partial_run
+    from cemtool.forgetting import clear_partial_run
     from cemtool.train import finalize_model_config, train
 
     plan, path = study.plan, study.path / item["run"]

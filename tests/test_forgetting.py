@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cemtool.analysis.forgetting import REFERENCE, fine_tune, scaled_recipe
 from cemtool.config import DataConfig
 from cemtool.data.corpus import load_corpus
 from cemtool.data.grammar import default_grammar, grammar_b
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
+from cemtool.forgetting import REFERENCE, fine_tune, scaled_recipe
 from cemtool.runs import load_run
 from cemtool.train import evaluate
 

@@ -71,8 +71,8 @@ def forgetting(
     """Fine-tune RUN on other data with one fixed recipe (METHODS §7) and report forgetting = L_source(after) -
     L_source(before) and plasticity = L_target(before) - L_target(after), with both curves. Writes a NEW run
     (meta.json "parent" = RUN) holding reports/forgetting.json and .csv."""
-    from cemtool.analysis.forgetting import fine_tune
     from cemtool.cli.train_cmd import ProgressReporter
+    from cemtool.forgetting import fine_tune
 
     if resume and force:
         raise typer.BadParameter("--resume continues --out, --force replaces it: choose one", param_hint="--force")
