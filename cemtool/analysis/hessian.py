@@ -6,7 +6,7 @@ N tokens, as a function of a subset of the parameters. :class:`DenseOperator` wr
 (for tests and for checking the estimators). The estimators are pure functions returning dataclasses:
 
 - :func:`lanczos`  extreme eigenvalues at both ends, with Ritz residuals, error estimates and converged flags,
-- :func:`hutchinson`, :func:`hutch_plus_plus`  tr(H) with a standard error, and tr(H)/n,
+- :func:`hutchinson`, :func:`hutch_plus_plus`, :func:`xtrace`  tr(H) with a standard error, and tr(H)/n,
 - :func:`slq`  the spectral density by stochastic Lanczos quadrature, Gaussian-smoothed with a reported sigma.
 
 Notation: n = parameters in the subset, N = evaluation tokens, k = requested eigenvalues, m = Lanczos steps.
@@ -177,6 +177,8 @@ class Objective:
         if first is None:
             raise CemtoolError("the model has no parameters")
         self.device = torch.device(device) if device is not None else first.device
+        if self.device.type == "mps" and self.dtype == torch.float64:
+            raise CemtoolError("MPS has no float64", hint="use --dtype fp32 or --device cpu")
         if x.ndim != 2 or x.shape != y.shape:
             raise CemtoolError(f"evaluation inputs and targets must both be (sequences, tokens), got "
                                f"{tuple(x.shape)} and {tuple(y.shape)}")
@@ -185,7 +187,8 @@ class Objective:
         self.tokens = int(y.numel())
         self.loss_fn = loss_fn
         self.names = [n for n, _ in select_parameters(model, params)]  # validate before copying anything
-        n_sub = sum(p.numel() for n, p in model.named_parameters() if n in set(self.names))
+        wanted = set(self.names)
+        n_sub = sum(p.numel() for n, p in model.named_parameters() if n in wanted)
         check_memory(model, n_sub, self.dtype, self.device, vectors)
 
         same = first.dtype == self.dtype and first.device == self.device and \
@@ -195,7 +198,6 @@ class Objective:
         self._was_training = model.training
         self._requires_grad = {id(p): p.requires_grad for p in self.model.parameters()}
         self.model.eval()
-        wanted = set(self.names)
         self.params = [p for n, p in self.model.named_parameters() if n in wanted]
         for p in self.params:
             p.requires_grad_(True)
@@ -208,7 +210,8 @@ class Objective:
         self.batch_size = bs
         self.batches = [(x[i:i + bs].to(self.device), y[i:i + bs].to(self.device)) for i in range(0, len(x), bs)]
         self.keep_graph = keep_graph
-        self._graphs: list[list[torch.Tensor | None]] | None = None
+        self._graphs: list[list[torch.Tensor | None]] | None = None  # kept first-order graphs (None: not planned)
+        self._n_kept = 0  # how many batches keep their graph
         self.hvps = 0  # Hessian-vector products so far
         self.evaluations = 0  # loss-only passes over the evaluation set
         self.gradients = 0  # gradient passes over the evaluation set
@@ -250,9 +253,13 @@ class Objective:
 
     def flat(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
         """One tensor per parameter (None = 0) -> flat (n,) float64."""
-        return torch.cat([torch.zeros(s, dtype=torch.float64, device=self.device) if t is None
-                          else t.detach().reshape(-1).to(torch.float64) for t, s in zip(tensors, self.sizes,
-                                                                                        strict=True)])
+        parts = []
+        for t, size in zip(tensors, self.sizes, strict=True):
+            if t is None:
+                parts.append(torch.zeros(size, dtype=torch.float64, device=self.device))
+            else:
+                parts.append(t.detach().reshape(-1).to(torch.float64))
+        return torch.cat(parts)  # (n,)
 
     def parameters_vector(self) -> torch.Tensor:
         """The current parameter subset w, flat (n,) float64."""
@@ -281,7 +288,7 @@ class Objective:
             for b in range(len(self.batches)):
                 loss = self._batch_loss(b)
                 g += self.flat(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
-                total += float(loss)
+                total += float(loss.detach())
         self.gradients += 1
         return total, g
 
@@ -307,7 +314,7 @@ class Objective:
         with self._context(grad=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             graph = self._first_order_graph(0)
         per_batch = 2 * sum(seen.values()) + 8 * self.n  # x2: the double-backward graph
-        have = available_memory(self.device) or 0
+        have = available_memory(self.device) or 4 * 2**30  # unknown: assume 4 GiB free
         keep = min(len(self.batches), int(0.25 * have // max(per_batch, 1)))
         self._graphs = [graph] if keep else []
         return keep
@@ -361,7 +368,7 @@ def evaluation_set(loaded, n_tokens: int, seq_len: int | None = None) -> tuple[t
     from cemtool.data.corpus import load_corpus, windows
 
     if n_tokens <= 0:
-        raise CemtoolError(f"--tokens must be positive, got {n_tokens}")
+        raise CemtoolError(f"the number of evaluation tokens must be positive, got {n_tokens}")
     cfg = loaded.config
     T = seq_len or cfg.data.seq_len
     corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
@@ -373,13 +380,12 @@ def evaluation_set(loaded, n_tokens: int, seq_len: int | None = None) -> tuple[t
 # Lanczos
 
 
-def _orthogonalize(w: torch.Tensor, basis: list[torch.Tensor]) -> torch.Tensor:
-    """Full reorthogonalisation: classical Gram-Schmidt applied twice ("twice is enough")."""
-    if not basis:
+def _orthogonalize(w: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """Full reorthogonalisation against the rows of Q (j, n): classical Gram-Schmidt twice ("twice is enough")."""
+    if Q.shape[0] == 0:
         return w
-    Q = torch.stack(basis, dim=1)  # (n, j)
     for _ in range(2):
-        w = w - Q @ (Q.T @ w)  # (n,)
+        w = w - Q.T @ (Q @ w)  # (n,)
     return w
 
 
@@ -391,58 +397,86 @@ def _random_unit(n: int, gen: torch.Generator, device: torch.device, rademacher:
 
 @dataclass
 class LanczosState:
-    """The Lanczos recurrence so far: T_m = tridiag(beta, alpha, beta) and the orthonormal basis Q (n, m)."""
+    """The Lanczos recurrence so far: T_m = tridiag(beta, alpha, beta), the orthonormal basis Q (n, m) and the next
+    basis vector, so that a run can be continued (the extreme-eigenvalue run doubles as an SLQ run)."""
 
+    next_q: torch.Tensor
     alpha: list[float] = field(default_factory=list)
     beta: list[float] = field(default_factory=list)  # beta[j] couples q_j and q_{j+1} (0 after a restart)
-    basis: list[torch.Tensor] = field(default_factory=list)
+    rows: torch.Tensor | None = None  # (capacity, n) storage of the basis; rows[:steps] are q_0 .. q_{m-1}
     residual_norm: float = 0.0  # beta_m: norm of the last residual (the Ritz residual factor)
+    scale: float = 0.0  # running estimate of ||H|| for the breakdown test
+    restarts: list[int] = field(default_factory=list)  # steps after which an invariant subspace was found
 
-    def tridiagonal(self) -> np.ndarray:
-        m = len(self.alpha)
-        T = np.diag(np.asarray(self.alpha, dtype=np.float64))
+    @property
+    def steps(self) -> int:
+        return len(self.alpha)
+
+    @property
+    def basis(self) -> torch.Tensor:
+        """The orthonormal basis so far, one vector per row: (m, n) float64 (a view)."""
+        if self.rows is None:
+            return self.next_q.new_zeros(0, self.next_q.numel())
+        return self.rows[: self.steps]
+
+    def _store(self, q: torch.Tensor, capacity: int) -> None:
+        j = self.steps
+        if self.rows is None or j >= self.rows.shape[0]:  # grow the storage geometrically, up to ``capacity``
+            grown = q.new_empty(max(min(capacity, max(16, 2 * j)), j + 1), q.numel())
+            if self.rows is not None:
+                grown[:j] = self.rows[:j]
+            self.rows = grown
+        self.rows[j] = q
+
+    def tridiagonal(self, m: int | None = None) -> np.ndarray:
+        m = len(self.alpha) if m is None else m
+        T = np.diag(np.asarray(self.alpha[:m], dtype=np.float64))
         if m > 1:
             off = np.asarray(self.beta[: m - 1], dtype=np.float64)
             T += np.diag(off, 1) + np.diag(off, -1)
         return T
 
-    def ritz(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Ritz values (ascending), eigenvectors S of T_m, residual norms |beta_m s_{m,i}| = ||H y_i - theta_i y_i||."""
-        theta, S = np.linalg.eigh(self.tridiagonal())
-        return theta, S, np.abs(self.residual_norm * S[-1, :])
+    def ritz(self, m: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """After m steps (default all): Ritz values (ascending), eigenvectors S of T_m and residual norms
+        |beta_m s_{m,i}| = ||H y_i - theta_i y_i||."""
+        m = len(self.alpha) if m is None else m
+        theta, S = np.linalg.eigh(self.tridiagonal(m))
+        return theta, S, np.abs(self.beta[m - 1] * S[-1, :])
 
 
-def lanczos_iterate(op, v0: torch.Tensor, steps: int, gen: torch.Generator,
-                    stop: Callable[[LanczosState], bool] | None = None,
-                    callback: Callback | None = None) -> LanczosState:
-    """Run up to ``steps`` Lanczos steps from v0 with full reorthogonalisation (float64 basis and recurrence).
+def lanczos_iterate(op, v0: torch.Tensor | None, steps: int, gen: torch.Generator,
+                    stop: Callable[[LanczosState], bool] | None = None, callback: Callback | None = None,
+                    state: LanczosState | None = None) -> LanczosState:
+    """Run Lanczos with full reorthogonalisation until ``steps`` steps in all (float64 basis and recurrence),
+    from v0 or continuing ``state``.
 
     On breakdown (an invariant subspace is found, beta ~ 0) it continues from a fresh random vector orthogonal
     to the basis, recording beta = 0, so T_m stays exact for the space explored. ``stop(state)`` ends early.
+    ``callback`` gets the number of steps taken in this call.
     """
-    st = LanczosState()
-    q = v0.to(torch.float64) / v0.norm()
-    scale = 0.0
-    for j in range(min(steps, op.n)):
-        st.basis.append(q)
+    st = state if state is not None else LanczosState(next_q=v0.to(torch.float64) / v0.norm())
+    done = 0
+    while st.steps < min(steps, op.n):
+        q = st.next_q
+        st._store(q, min(steps, op.n))
         w = op.hvp(q).to(torch.float64)  # (n,)
         a = float(q @ w)
-        w = _orthogonalize(w, st.basis)  # removes alpha q_j and beta q_{j-1} too, to working precision
+        w = _orthogonalize(w, st.rows[: st.steps + 1])  # removes alpha q_j, beta q_{j-1} and rounding drift
         b = float(w.norm())
         st.alpha.append(a)
-        scale = max(scale, abs(a) + b)
+        st.scale = max(st.scale, abs(a) + b)
+        done += 1
         if callback is not None:
-            callback(j + 1)
-        if b <= 1e-12 * max(scale, 1e-300) and j + 1 < op.n:  # invariant subspace: restart
+            callback(done)
+        if b <= 1e-12 * max(st.scale, 1e-300) and st.steps < op.n:  # invariant subspace: restart
             st.beta.append(0.0)
-            st.residual_norm = 0.0
-            q = _random_unit(op.n, gen, w.device)
-            q = _orthogonalize(q, st.basis)
-            q = q / q.norm()
+            st.restarts.append(st.steps)
+            q = _orthogonalize(_random_unit(op.n, gen, w.device), st.basis)  # basis now includes q_j
+            st.next_q = q / q.norm()
         else:
             st.beta.append(b)
-            st.residual_norm = b
-            q = w / b if b > 0 else w
+            st.next_q = w / b if b > 0 else w
+        st.residual_norm = st.beta[-1]
         if stop is not None and stop(st):
             break
     return st
@@ -466,8 +500,9 @@ def error_estimates(theta: np.ndarray, residual: np.ndarray) -> np.ndarray:
 @dataclass
 class Eigenvalues:
     """Extreme eigenvalues of H by Lanczos. ``top`` descending, ``bottom`` ascending; for each: the Ritz residual
-    ||H y - theta y|| (a rigorous error bound), the Kato-Temple error estimate and the converged flag
-    (estimate <= tol * max(|theta|, 1e-3 * ||T||))."""
+    ||H y - theta y|| (a rigorous bound: an eigenvalue of H lies within it), the Kato-Temple error estimate (never
+    below the HVP rounding level 10 eps max|theta|) and the converged flag (estimate <= tol * max(|theta|,
+    1e-3 max|theta|), or at the rounding level)."""
 
     top: list[float]
     top_residual: list[float]
@@ -484,8 +519,9 @@ class Eigenvalues:
     tol: float
     seed: int
     n: int
-    vectors_top: torch.Tensor | None = None  # (n, k_top) Ritz vectors if asked for
-    vectors_bottom: torch.Tensor | None = None
+    vectors_top: torch.Tensor | None = field(default=None, repr=False)  # (n, k_top) Ritz vectors if asked for
+    vectors_bottom: torch.Tensor | None = field(default=None, repr=False)
+    state: LanczosState | None = field(default=None, repr=False)  # to continue the run (e.g. as an SLQ run)
 
     @property
     def converged(self) -> bool:
@@ -493,56 +529,64 @@ class Eigenvalues:
 
     @property
     def lambda_max(self) -> float:
-        return self.top[0]
+        return self.top[0] if self.top else max(self.ritz_values)
 
     @property
     def lambda_min(self) -> float:
         return self.bottom[0] if self.bottom else min(self.ritz_values)
 
 
-def _select(theta: np.ndarray, residual: np.ndarray, k_top: int, k_bottom: int, tol: float):
-    err = error_estimates(theta, residual)
+def _select(theta: np.ndarray, residual: np.ndarray, k_top: int, k_bottom: int, tol: float, eps: float):
+    """Error estimates floored at the HVP's rounding level (10 eps max|theta|), converged flags, and the indices of
+    the top-k (descending) and bottom-k (ascending) Ritz values."""
+    raw = error_estimates(theta, residual)
     scale = max(float(np.max(np.abs(theta))), 1e-300)
-    ok = err <= tol * np.maximum(np.abs(theta), 1e-3 * scale)
+    floor = 10 * eps * scale
+    ok = (raw <= tol * np.maximum(np.abs(theta), 1e-3 * scale)) | (raw <= floor)
+    err = np.maximum(raw, floor)
     m = len(theta)
     top = list(range(m - 1, max(m - 1 - k_top, -1), -1))
     bottom = list(range(0, min(k_bottom, m)))
     return err, ok, top, bottom
 
 
-def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: float = 1e-5, seed: int = 0,
-            min_steps: int | None = None, return_vectors: bool = False, callback: Callback | None = None) -> Eigenvalues:
+def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: float = 1e-4, seed: int = 0,
+            min_steps: int | None = None, return_vectors: bool = False,
+            callback: Callback | None = None) -> Eigenvalues:
     """Top-k and bottom-k eigenvalues of the operator by Lanczos with full reorthogonalisation.
 
     Both ends come from one Krylov space (the Hessian is indefinite: the most negative eigenvalue matters, and
     λ_max is the largest *algebraic* eigenvalue, not the largest in magnitude as power iteration finds).
     Stops when every requested Ritz value has converged (see :class:`Eigenvalues`) or after ``max_steps`` HVPs.
-    The start vector is Gaussian from ``seed``. A k larger than the number of steps taken returns fewer values.
+    The start vector is a normalised Rademacher vector from ``seed`` (isotropic, so the run can continue as an
+    SLQ run). If the steps taken are fewer than k, fewer values are returned.
     """
     if k_top < 0 or k_bottom < 0 or k_top + k_bottom == 0:
         raise CemtoolError("ask for at least one eigenvalue (top-k or bottom-k)")
     t0 = time.perf_counter()
-    hv0 = getattr(op, "hvps", 0)
     gen = torch.Generator().manual_seed(seed)
     need = min(op.n, max(k_top, k_bottom) + 1 if min_steps is None else min_steps)
+    eps = torch.finfo(getattr(op, "dtype", torch.float64)).eps
 
     def converged(st: LanczosState) -> bool:
-        if len(st.alpha) < need:
+        # after an invariant subspace, the fresh block must be explored too (it finds repeated eigenvalues)
+        if st.steps < need + (st.restarts[-1] if st.restarts else 0):
             return False
-        if len(st.alpha) >= op.n:
+        if st.steps >= op.n:
             return True
         theta, _, res = st.ritz()
-        _, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol)
+        _, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol, eps)
         return len(top) >= min(k_top, op.n) and bool(ok[top + bottom].all())
 
-    st = lanczos_iterate(op, _random_unit(op.n, gen, op.device), max_steps, gen, converged, callback)
+    st = lanczos_iterate(op, _random_unit(op.n, gen, op.device, rademacher=True), max_steps, gen, converged,
+                         callback)
     theta, S, res = st.ritz()
-    err, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol)
-    if len(st.alpha) >= op.n:  # the whole space: Ritz values are eigenvalues up to rounding
+    err, ok, top, bottom = _select(theta, res, k_top, k_bottom, tol, eps)
+    if st.steps >= op.n:  # the whole space: Ritz values are eigenvalues up to rounding
         ok[:] = True
     vt = vb = None
     if return_vectors:
-        Q = torch.stack(st.basis, dim=1)  # (n, m)
+        Q = st.basis.T  # (n, m)
         Sd = torch.from_numpy(S).to(Q.device)  # (m, m)
         vt, vb = Q @ Sd[:, top], Q @ Sd[:, bottom]  # (n, k)
     return Eigenvalues(
@@ -550,8 +594,8 @@ def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: 
         top_error=[float(err[i]) for i in top], top_converged=[bool(ok[i]) for i in top],
         bottom=[float(theta[i]) for i in bottom], bottom_residual=[float(res[i]) for i in bottom],
         bottom_error=[float(err[i]) for i in bottom], bottom_converged=[bool(ok[i]) for i in bottom],
-        ritz_values=[float(t) for t in theta], steps=len(st.alpha), hvps=getattr(op, "hvps", 0) - hv0 or len(st.alpha),
-        seconds=time.perf_counter() - t0, tol=tol, seed=seed, n=op.n, vectors_top=vt, vectors_bottom=vb)
+        ritz_values=[float(t) for t in theta], steps=st.steps, hvps=st.steps, seconds=time.perf_counter() - t0,
+        tol=tol, seed=seed, n=op.n, vectors_top=vt, vectors_bottom=vb, state=st)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -631,6 +675,60 @@ def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | 
     return _trace_result("hutch++", low + float(s.mean()), se, op.n, done, t0, seed)
 
 
+def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = None) -> Trace:
+    """XTrace (Epperly, Tropp & Webber 2024): the exchangeable form of Hutch++ that uses every HVP both for the
+    low-rank sketch and as a test vector. With s = m/2 Rademacher vectors Omega (n, s), Y = H Omega = QR and
+    Z = H Q (2s HVPs), estimate i is Hutch++ with sketch Q_(i) = orth(Y without column i) and test vector w_i:
+
+        t_i = tr(Q_(i)^T H Q_(i)) + w_i^T (I - P_i) H (I - P_i) w_i,   P_i = Q_(i) Q_(i)^T,
+
+    each unbiased (Q_(i) does not depend on w_i); t = mean_i t_i. No further HVPs are needed: Q_(i) = Q (I - s_i
+    s_i^T) restricted, with s_i the normalised i-th column of R^{-T}, and H Q_(i), w_i^T H Q come from Z and R.
+    The standard error is std(t_i)/sqrt(s), the authors' error estimate (the t_i share samples, so it is
+    approximate)."""
+    if hvps < 4:
+        raise CemtoolError("XTrace needs at least 4 HVPs")
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    s = min(hvps // 2, op.n)
+    done = 0
+
+    def apply(v: torch.Tensor) -> torch.Tensor:
+        nonlocal done
+        out = op.hvp(v).to(torch.float64)
+        done += 1
+        if callback is not None:
+            callback(done)
+        return out
+
+    Om = _rademacher(op.n, s, gen, op.device)  # (n, s)
+    Y = torch.stack([apply(Om[:, i]) for i in range(s)], dim=1)  # (n, s) = H Omega
+    Q, R = torch.linalg.qr(Y)  # (n, s), (s, s)
+    d = R.diagonal().abs()
+    if float(d.min()) <= 1e-10 * float(d.max()):  # H Omega rank-deficient (H of low rank): no leave-one-out
+        Z = torch.stack([apply(Q[:, i]) for i in range(s)], dim=1)  # (n, s) = H Q
+        # span(Q) contains range(H Omega) = range(H) (almost surely), so tr(Q^T H Q) = tr(H) exactly
+        return _trace_result("xtrace", float(torch.trace(Q.T @ Z)), 0.0, op.n, done, t0, seed)
+    Z = torch.stack([apply(Q[:, i]) for i in range(s)], dim=1)  # (n, s) = H Q
+    Hs = (Q.T @ Z).cpu()  # (s, s) = Q^T H Q
+    Hs = (Hs + Hs.T) / 2
+    W = (Q.T @ Om).cpu()  # (s, s) = Q^T Omega
+    R = R.cpu()
+    wHw = (Om * Y).sum(0).cpu()  # (s,) w_i^T H w_i
+    Rinv_T = torch.linalg.solve_triangular(R, torch.eye(s, dtype=R.dtype), upper=True).T  # (s, s) = R^{-T}
+    S = Rinv_T / Rinv_T.norm(dim=0, keepdim=True)  # (s, s) column i: unit normal of span(R without column i)
+    tr_H = float(torch.trace(Hs))
+    ests = []
+    for i in range(s):
+        si, wi, ri = S[:, i], W[:, i], R[:, i]  # (s,)
+        pw = wi - si * (si @ wi)  # Pi_i w_i, Pi_i = I - s_i s_i^T
+        low = tr_H - float(si @ Hs @ si)  # tr(Pi_i Q^T H Q Pi_i)
+        rest = float(wHw[i]) - 2 * float(ri @ pw) + float(pw @ Hs @ pw)  # w^T (I-P) H (I-P) w
+        ests.append(low + rest)
+    e = np.asarray(ests)
+    se = float(e.std(ddof=1) / math.sqrt(s)) if s > 1 else 0.0
+    return _trace_result("xtrace", float(e.mean()), se, op.n, done, t0, seed)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # spectral density
 
@@ -664,23 +762,29 @@ def smooth_density(nodes: np.ndarray, weights: np.ndarray, grid: np.ndarray, sig
 
 
 def slq(op, runs: int = 3, steps: int = 80, *, seed: int = 0, sigma: float | None = None, sigma_frac: float = 0.01,
-        grid_points: int = 1000, callback: Callback | None = None) -> Density:
+        grid_points: int = 1000, reuse: list[LanczosState] | tuple = (), callback: Callback | None = None) -> Density:
     """Stochastic Lanczos quadrature: ``runs`` independent Lanczos runs of ``steps`` HVPs each.
+
+    ``reuse``: Lanczos runs already made from isotropic random starts (e.g. ``lanczos(...).state``); each is
+    continued to ``steps`` and counted as one of the ``runs`` (``hvps`` counts only the new HVPs).
     ``sigma`` defaults to ``sigma_frac`` times the spread of the nodes."""
     if runs < 1 or steps < 1:
         raise CemtoolError("the density needs at least one run of one step")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
     nodes, weights, done = [], [], 0
-    for _ in range(runs):
+    starts = list(reuse)[:runs] + [None] * max(0, runs - len(reuse))
+    for state in starts:
         base = done
 
         def cb(j: int, base: int = base) -> None:
             if callback is not None:
                 callback(base + j)
 
-        st = lanczos_iterate(op, _random_unit(op.n, gen, op.device, rademacher=True), steps, gen, callback=cb)
-        done += len(st.alpha)
-        theta, S, _ = st.ritz()
+        v0 = None if state is not None else _random_unit(op.n, gen, op.device, rademacher=True)
+        before = state.steps if state is not None else 0
+        st = lanczos_iterate(op, v0, steps, gen, callback=cb, state=state)
+        done += st.steps - before
+        theta, S, _ = st.ritz(min(steps, st.steps))
         nodes.append(theta.tolist())
         # first components of the eigenvectors of T; after a restart only the first block carries the start vector
         weights.append((S[0, :] ** 2).tolist())
@@ -697,4 +801,4 @@ def slq(op, runs: int = 3, steps: int = 80, *, seed: int = 0, sigma: float | Non
 
 __all__ = ["DenseOperator", "Density", "Eigenvalues", "Objective", "Trace", "available_memory", "check_memory",
            "evaluation_set", "hutch_plus_plus", "hutchinson", "lanczos", "lanczos_iterate", "select_parameters",
-           "slq", "smooth_density"]
+           "slq", "smooth_density", "xtrace"]

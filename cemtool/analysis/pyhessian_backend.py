@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -174,6 +175,8 @@ def run_pyhessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params:
         return original_hvp(gradsH, params_, v)
 
     with ExitStack() as stack:
+        stack.enter_context(warnings.catch_warnings())
+        warnings.filterwarnings("ignore", message="Using backward\\(\\) with create_graph=True")  # PyHessian's own
         stack.enter_context(attention_impl("explicit"))
         stack.enter_context(_default_dtype(dt))
         stack.enter_context(torch.enable_grad())

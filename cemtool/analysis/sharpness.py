@@ -1,0 +1,445 @@
+"""Sharpness beyond the spectrum (METHODS §6): worst-case (SAM, adaptive ASAM), average-case adaptive sharpness,
+and 1-D / 2-D loss slices along filter-normalised random directions.
+
+All functions take an :class:`cemtool.analysis.hessian.Objective` (the mean token loss over a fixed evaluation set,
+as a function of a parameter subset w) and perturb only that subset; the weights are restored exactly afterwards.
+Notation: L(w) the loss, g = grad L(w), rho the radius, T_w the adaptive scaling.
+
+- SAM rho-sharpness (Foret et al. 2021):  max_{||e|| <= rho} L(w + e) - L(w). First order: e = rho g / ||g||.
+- Adaptive worst-case (ASAM, Kwon et al. 2021): max_{||T_w^{-1} e|| <= rho} L(w + e) - L(w), T_w = |w| + eta.
+  First order: e = rho T_w^2 g / ||T_w g||. SAM is the case T_w = I.
+- Ascent steps: K steps of projected normalised gradient ascent in u = T_w^{-1} e, step 2 rho / K from u = 0,
+  u <- P_rho(u + (2 rho / K) T_w g(w + T_w u) / ||T_w g(w + T_w u)||), so K = 1 is the first-order point. The value
+  reported is the largest loss met (also counting the first-order point): a lower bound on the true maximum.
+- Average-case adaptive sharpness (Andriushchenko et al. 2023): E_d[L(w + d)] - L(w), d = rho |w| * z,
+  z ~ N(0, I), estimated with antithetic pairs (L(w + d) + L(w - d)) / 2 - L(w), which cancels the first-order term
+  (same expectation, lower variance); standard error over the pairs.
+- Loss slices (Li et al. 2018): L(w + a d1) and L(w + a d1 + b d2) with d random Gaussian, each output row of every
+  matrix (rows of weights, of embeddings) rescaled to the norm of that row of w; biases and 1-D parameters
+  (norm gains, scalars) get zero. The 2-D directions are independent draws (nearly orthogonal in high dimension).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+import torch
+
+from cemtool.analysis import hessian as hs
+from cemtool.analysis.hessian import Callback, Density, Eigenvalues, Objective, Trace, lanczos, slq
+from cemtool.errors import CemtoolError
+
+
+@dataclass
+class Sharpness:
+    """One sharpness estimate: ``value`` = perturbed loss - loss (nats), with its standard error (average-case)."""
+
+    kind: str  # sam | asam | average
+    rho: float
+    value: float
+    se: float | None
+    loss: float
+    perturbed_loss: float
+    ascent_steps: int  # 1 = first order
+    first_order: float | None  # worst-case: the first-order value (equal to value when ascent_steps == 1)
+    eta: float | None  # adaptive offset of T_w (asam)
+    samples: int | None  # antithetic pairs (average)
+    evaluations: int  # loss passes over the evaluation set
+    gradients: int  # gradient passes
+    seconds: float
+    seed: int | None
+    n: int
+    tokens: int
+
+
+def _scaling(obj: Objective, adaptive: bool, eta: float) -> torch.Tensor:
+    """T_w as a flat (n,) vector: |w| + eta (adaptive) or ones."""
+    w = obj.parameters_vector()  # (n,)
+    return w.abs() + eta if adaptive else torch.ones_like(w)
+
+
+def worst_case_sharpness(obj: Objective, rho: float = 0.05, *, adaptive: bool = False, eta: float = 0.01,
+                         ascent_steps: int = 1, base: tuple[float, torch.Tensor] | None = None,
+                         callback: Callback | None = None) -> Sharpness:
+    """max_{||T_w^{-1} e|| <= rho} L(w + e) - L(w) (SAM when not adaptive), first order or with ascent steps.
+    ``base``: (L(w), grad L(w)) if already computed."""
+    if rho <= 0:
+        raise CemtoolError(f"the sharpness radius must be positive, got {rho}")
+    if ascent_steps < 1:
+        raise CemtoolError("ascent_steps counts gradient steps and must be >= 1 (1 = first order)")
+    t0 = time.perf_counter()
+    ev0, gr0 = obj.evaluations, obj.gradients
+    loss0, g = base if base is not None else obj.gradient()
+    T = _scaling(obj, adaptive, eta)  # (n,)
+
+    def unit(grad: torch.Tensor) -> torch.Tensor:
+        tg = T * grad  # (n,) gradient in u-coordinates
+        nrm = float(tg.norm())
+        if nrm == 0.0:
+            raise CemtoolError("the gradient is zero on the chosen parameters: worst-case sharpness is undefined")
+        return tg / nrm
+
+    first_u = rho * unit(g)
+    with obj.shifted(T * first_u):
+        first = obj.loss()
+    done = 1
+    if callback is not None:
+        callback(done)
+    best = first
+    if ascent_steps > 1:
+        u, step, gu = torch.zeros_like(g), 2 * rho / ascent_steps, g
+        for k in range(ascent_steps):
+            u = u + step * unit(gu)
+            if float(u.norm()) > rho:
+                u = u * (rho / float(u.norm()))  # project onto the ball
+            if k + 1 < ascent_steps:
+                with obj.shifted(T * u):
+                    lu, gu = obj.gradient()
+            else:
+                with obj.shifted(T * u):
+                    lu = obj.loss()
+            best = max(best, lu)
+            done += 1
+            if callback is not None:
+                callback(done)
+    return Sharpness("asam" if adaptive else "sam", rho, best - loss0, None, loss0, best, ascent_steps,
+                     first - loss0, eta if adaptive else None, None, obj.evaluations - ev0, obj.gradients - gr0,
+                     time.perf_counter() - t0, None, obj.n, obj.tokens)
+
+
+def sam_sharpness(obj: Objective, rho: float = 0.05, ascent_steps: int = 1, **kw) -> Sharpness:
+    """SAM rho-sharpness max_{||e|| <= rho} L(w + e) - L(w) (Foret et al. 2021)."""
+    return worst_case_sharpness(obj, rho, adaptive=False, ascent_steps=ascent_steps, **kw)
+
+
+def asam_sharpness(obj: Objective, rho: float = 0.5, eta: float = 0.01, ascent_steps: int = 1, **kw) -> Sharpness:
+    """Adaptive worst-case sharpness with T_w = |w| + eta (Kwon et al. 2021)."""
+    return worst_case_sharpness(obj, rho, adaptive=True, eta=eta, ascent_steps=ascent_steps, **kw)
+
+
+def average_sharpness(obj: Objective, rho: float = 0.1, samples: int = 8, *, seed: int = 0,
+                      loss0: float | None = None, callback: Callback | None = None) -> Sharpness:
+    """Average-case adaptive sharpness E[L(w + rho |w| * z)] - L(w), z ~ N(0, I) (Andriushchenko et al. 2023),
+    from ``samples`` antithetic pairs; standard error over the pairs."""
+    if rho <= 0 or samples < 2:
+        raise CemtoolError("average-case sharpness needs rho > 0 and at least 2 samples")
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    ev0 = obj.evaluations
+    loss0 = obj.loss() if loss0 is None else loss0
+    scale = rho * obj.parameters_vector().abs()  # (n,)
+    vals, perturbed = [], []
+    for i in range(samples):
+        d = scale * torch.randn(obj.n, generator=gen, dtype=torch.float64).to(scale.device)  # (n,)
+        pair = []
+        for sign in (1.0, -1.0):
+            with obj.shifted(sign * d):
+                pair.append(obj.loss())
+        perturbed.append(sum(pair) / 2)
+        vals.append(sum(pair) / 2 - loss0)
+        if callback is not None:
+            callback(i + 1)
+    v = np.asarray(vals)
+    return Sharpness("average", rho, float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v))), loss0,
+                     float(np.mean(perturbed)), 0, None, None, samples, obj.evaluations - ev0, 0,
+                     time.perf_counter() - t0, seed, obj.n, obj.tokens)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# loss slices
+
+
+def filter_normalized_direction(obj: Objective, gen: torch.Generator) -> torch.Tensor:
+    """A Gaussian direction, flat (n,), with each output row of each >= 2-D parameter rescaled to the norm of the
+    same row of w (Li et al. 2018); 1-D parameters get zero."""
+    parts = []
+    for p in obj.params:
+        if p.dim() < 2:
+            parts.append(torch.zeros(p.numel(), dtype=torch.float64))
+            continue
+        w = p.detach().to("cpu", torch.float64).reshape(p.shape[0], -1)  # (rows, fan_in)
+        d = torch.randn(w.shape, generator=gen, dtype=torch.float64)  # (rows, fan_in)
+        d = d * (w.norm(dim=1, keepdim=True) / d.norm(dim=1, keepdim=True).clamp_min(1e-12))
+        parts.append(d.reshape(-1))
+    out = torch.cat(parts).to(obj.device)  # (n,)
+    if float(out.norm()) == 0.0:
+        raise CemtoolError("the chosen parameters are all 1-D (or zero): filter-normalised directions are zero",
+                           hint="select matrices with --params, or use --landscape none")
+    return out
+
+
+@dataclass
+class Slice1D:
+    """L(w + alpha d) on a grid of alpha, d filter-normalised (alpha = 1 moves every row by its own norm)."""
+
+    alphas: list[float]
+    losses: list[float]
+    loss: float
+    seed: int
+    evaluations: int
+    seconds: float
+    n: int
+    tokens: int
+
+
+@dataclass
+class Slice2D:
+    """L(w + alpha d1 + beta d2); ``losses[i][j]`` is at (alphas[i], betas[j])."""
+
+    alphas: list[float]
+    betas: list[float]
+    losses: list[list[float]]
+    loss: float
+    seed: int
+    evaluations: int
+    seconds: float
+    n: int
+    tokens: int
+
+
+def _grid(span: float, points: int) -> np.ndarray:
+    if points < 2 or span <= 0:
+        raise CemtoolError("a loss slice needs at least 2 points and a positive span")
+    g = np.linspace(-span, span, points)
+    if points % 2:  # put exactly 0 in the middle
+        g[points // 2] = 0.0
+    return g
+
+
+def loss_slice_1d(obj: Objective, span: float = 1.0, points: int = 21, *, seed: int = 0,
+                  callback: Callback | None = None) -> Slice1D:
+    """The loss along one filter-normalised random direction, alpha in [-span, span]."""
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    ev0 = obj.evaluations
+    d = filter_normalized_direction(obj, gen)
+    alphas = _grid(span, points)
+    losses = []
+    for i, a in enumerate(alphas):
+        with obj.shifted(float(a) * d):
+            losses.append(obj.loss())
+        if callback is not None:
+            callback(i + 1)
+    loss0 = losses[points // 2] if points % 2 else obj.loss()
+    return Slice1D(alphas.tolist(), losses, loss0, seed, obj.evaluations - ev0, time.perf_counter() - t0, obj.n,
+                   obj.tokens)
+
+
+def loss_slice_2d(obj: Objective, span: float = 1.0, points: int = 11, *, seed: int = 0,
+                  callback: Callback | None = None) -> Slice2D:
+    """The loss on the plane of two filter-normalised random directions, both coordinates in [-span, span]."""
+    t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    ev0 = obj.evaluations
+    d1, d2 = filter_normalized_direction(obj, gen), filter_normalized_direction(obj, gen)
+    grid = _grid(span, points)
+    losses = [[0.0] * points for _ in range(points)]
+    for i, a in enumerate(grid):
+        for j, b in enumerate(grid):
+            with obj.shifted(float(a) * d1 + float(b) * d2):
+                losses[i][j] = obj.loss()
+            if callback is not None:
+                callback(i * points + j + 1)
+    loss0 = losses[points // 2][points // 2] if points % 2 else obj.loss()
+    return Slice2D(grid.tolist(), grid.tolist(), losses, loss0, seed, obj.evaluations - ev0,
+                   time.perf_counter() - t0, obj.n, obj.tokens)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# everything at once: what `cemtool sharpness` runs
+
+TRACE_METHODS = {"hutchinson": hs.hutchinson, "hutch++": hs.hutch_plus_plus, "xtrace": hs.xtrace}
+Progress = Callable[[str, int, int], None]  # (stage, done, total)
+
+
+@dataclass(frozen=True)
+class SharpnessOptions:
+    """What to measure and with which budget (the defaults take about a minute on 2 CPU cores for a 4-layer,
+    128-wide model on 2k tokens in fp32; see docs/sharpness.md). A budget of 0 skips that measurement."""
+
+    params: str = "all"  # parameter subset (see hessian.select_parameters)
+    dtype: str = "fp32"  # HVP dtype: fp32 or fp64 (a converted copy of the model)
+    batch_size: int | None = None  # sequences per batch (default: 8192 tokens per batch)
+    top_k: int = 5
+    bottom_k: int = 1
+    lanczos_steps: int = 40  # HVP cap of the extreme-eigenvalue run
+    tol: float = 1e-4  # relative eigenvalue error estimate at which a Ritz value counts as converged
+    trace_methods: tuple[str, ...] = ("xtrace",)
+    trace_hvps: int = 40  # HVPs per trace method
+    density_runs: int = 1  # SLQ runs (the first continues the eigenvalue run)
+    density_steps: int = 40  # Lanczos steps per SLQ run
+    density_sigma: float | None = None  # Gaussian smoothing (default: 1% of the spectral spread)
+    sam_rho: float = 0.05
+    asam_rho: float = 0.5
+    asam_eta: float = 0.01
+    ascent_steps: int = 1  # gradient steps of the worst-case measures (1 = first order)
+    avg_rho: float = 0.1
+    avg_samples: int = 4  # antithetic pairs of the average-case measure
+    landscape: str = "1d"  # 1d | 2d | both | none
+    slice_span: float = 1.0
+    slice_points: int = 21  # per axis (2-D: at most 11 by default, see slice_points_2d)
+    slice_points_2d: int = 11
+    seed: int = 0
+    device: str | None = None
+
+    def __post_init__(self):
+        bad = [m for m in self.trace_methods if m not in TRACE_METHODS]
+        if bad:
+            raise CemtoolError(f"unknown trace method {bad[0]!r}", hint=f"use {', '.join(TRACE_METHODS)}")
+        if self.landscape not in ("1d", "2d", "both", "none"):
+            raise CemtoolError(f"unknown landscape {self.landscape!r}", hint="use 1d, 2d, both or none")
+        for name in ("top_k", "bottom_k", "lanczos_steps", "trace_hvps", "density_runs", "density_steps",
+                     "avg_samples"):
+            if getattr(self, name) < 0:
+                raise CemtoolError(f"{name} must be >= 0")
+
+
+@dataclass
+class SharpnessReport:
+    """Every measurement of one `cemtool sharpness` call, with its cost (HVPs, loss/gradient passes, seconds)."""
+
+    options: SharpnessOptions
+    tokens: int
+    sequences: int
+    seq_len: int
+    n_params: int  # parameters in the subset (the Hessian's dimension)
+    n_model_params: int
+    param_names: list[str]
+    loss: float
+    grad_norm: float
+    eigen: Eigenvalues | None = None
+    traces: list[Trace] = field(default_factory=list)
+    density: Density | None = None
+    sharpness: list[Sharpness] = field(default_factory=list)
+    slice_1d: Slice1D | None = None
+    slice_2d: Slice2D | None = None
+    hvps: int = 0
+    evaluations: int = 0
+    gradients: int = 0
+    seconds: float = 0.0
+    kept_graph_batches: int = 0
+    batches: int = 1
+
+    def payload(self) -> dict:
+        """A JSON-able dict (no tensors)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["options"] = asdict(self.options)
+        for key in ("eigen", "density", "slice_1d", "slice_2d"):
+            v = out[key]
+            out[key] = None if v is None else {f.name: getattr(v, f.name) for f in fields(v)
+                                                if f.name not in ("vectors_top", "vectors_bottom", "state")}
+        out["traces"] = [asdict(t) for t in self.traces]
+        out["sharpness"] = [asdict(s) for s in self.sharpness]
+        return out
+
+    def rows(self) -> list[dict]:
+        """One row per estimate: value, its uncertainty and what it cost (the CSV)."""
+        o = self.options
+        common = {"tokens": self.tokens, "params": o.params, "n_params": self.n_params, "dtype": o.dtype,
+                  "seed": o.seed}
+        rows = [dict(quantity="loss", index=0, value=self.loss, uncertainty=None, uncertainty_kind=None,
+                     converged=None, hvps=0, evaluations=1, seconds=None, **common),
+                dict(quantity="grad_norm", index=0, value=self.grad_norm, uncertainty=None, uncertainty_kind=None,
+                     converged=None, hvps=0, evaluations=1, seconds=None, **common)]
+        e = self.eigen
+        if e is not None:
+            for end, vals, res, err, ok in (("lambda_top", e.top, e.top_residual, e.top_error, e.top_converged),
+                                            ("lambda_bottom", e.bottom, e.bottom_residual, e.bottom_error,
+                                             e.bottom_converged)):
+                for i, (v, r, er, c) in enumerate(zip(vals, res, err, ok, strict=True)):
+                    rows.append(dict(quantity=end, index=i + 1, value=v, uncertainty=er,
+                                     uncertainty_kind="error estimate", residual=r, converged=c, hvps=e.hvps,
+                                     evaluations=0, seconds=e.seconds, **common))
+        for t in self.traces:
+            rows.append(dict(quantity=f"trace_{t.method}", index=0, value=t.trace, uncertainty=t.se,
+                             uncertainty_kind="standard error", converged=None, hvps=t.hvps, evaluations=0,
+                             seconds=t.seconds, **common))
+            rows.append(dict(quantity=f"trace_per_param_{t.method}", index=0, value=t.per_param,
+                             uncertainty=t.per_param_se, uncertainty_kind="standard error", converged=None,
+                             hvps=t.hvps, evaluations=0, seconds=t.seconds, **common))
+        d = self.density
+        if d is not None:
+            rows.append(dict(quantity="trace_slq", index=0, value=d.trace, uncertainty=d.trace_se,
+                             uncertainty_kind="standard error", converged=None, hvps=d.hvps, evaluations=0,
+                             seconds=d.seconds, **common))
+            rows.append(dict(quantity="density_sigma", index=0, value=d.sigma, uncertainty=None,
+                             uncertainty_kind=None, converged=None, hvps=d.hvps, evaluations=0, seconds=d.seconds,
+                             **common))
+        for s in self.sharpness:
+            name = s.kind if s.ascent_steps <= 1 else f"{s.kind}_ascent{s.ascent_steps}"
+            rows.append(dict(quantity=f"sharpness_{name}", index=0, value=s.value, uncertainty=s.se,
+                             uncertainty_kind="standard error" if s.se is not None else None, converged=None,
+                             hvps=0, evaluations=s.evaluations + s.gradients, seconds=s.seconds, rho=s.rho,
+                             **common))
+        return rows
+
+
+def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                      options: SharpnessOptions | None = None, progress: Progress | None = None) -> SharpnessReport:
+    """Curvature and sharpness of ``model`` on the evaluation set (x, y): (sequences, tokens) int64.
+
+    Runs, as the options ask: the loss and gradient; extreme eigenvalues (Lanczos); the trace (each method in
+    ``trace_methods``); the spectral density (SLQ, its first run continuing the eigenvalue run); SAM, ASAM and
+    average-case sharpness; loss slices. The model is left exactly as it was (mode, dtype, weights).
+    """
+    o = options or SharpnessOptions()
+    t0 = time.perf_counter()
+
+    def stage(name: str, total: int) -> Callback:
+        if progress is not None:
+            progress(name, 0, total)
+        return (lambda done: progress(name, done, total)) if progress is not None else (lambda done: None)
+
+    vectors = max(o.lanczos_steps, o.density_steps) + (o.trace_hvps if o.trace_methods else 0)
+    with Objective(model, x, y, params=o.params, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
+                   vectors=vectors) as obj:
+        cb = stage("loss and gradient", 1)
+        loss0, g = obj.gradient()
+        cb(1)
+        rep = SharpnessReport(o, obj.tokens, int(x.shape[0]), int(x.shape[1]), obj.n,
+                              sum(p.numel() for p in obj.model.parameters()), list(obj.names), loss0,
+                              float(g.norm()), batches=len(obj.batches))
+        if o.top_k + o.bottom_k > 0 and o.lanczos_steps > 0:
+            rep.eigen = lanczos(obj, o.top_k, o.bottom_k, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,
+                                callback=stage("eigenvalues (Lanczos)", min(o.lanczos_steps, obj.n)))
+        for method in o.trace_methods if o.trace_hvps > 0 else ():
+            rep.traces.append(TRACE_METHODS[method](obj, o.trace_hvps, seed=o.seed + 1,
+                                                    callback=stage(f"trace ({method})", o.trace_hvps)))
+        if o.density_runs > 0 and o.density_steps > 0:
+            reuse = [rep.eigen.state] if rep.eigen is not None and rep.eigen.state is not None else []
+            total = o.density_runs * min(o.density_steps, obj.n) - sum(min(s.steps, o.density_steps) for s in reuse)
+            rep.density = slq(obj, o.density_runs, o.density_steps, seed=o.seed + 2, sigma=o.density_sigma,
+                              reuse=reuse, callback=stage("spectral density (SLQ)", max(total, 0)))
+        if rep.eigen is not None:
+            rep.eigen.state = None  # release the basis
+        rep.kept_graph_batches = obj._n_kept
+        hv = obj.hvps
+        base = (loss0, g)
+        if o.sam_rho > 0:
+            rep.sharpness.append(sam_sharpness(obj, o.sam_rho, 1, base=base, callback=stage("SAM", 1)))
+            if o.ascent_steps > 1:
+                rep.sharpness.append(sam_sharpness(obj, o.sam_rho, o.ascent_steps, base=base,
+                                                   callback=stage("SAM ascent", o.ascent_steps + 1)))
+        if o.asam_rho > 0:
+            rep.sharpness.append(asam_sharpness(obj, o.asam_rho, o.asam_eta, 1, base=base, callback=stage("ASAM", 1)))
+            if o.ascent_steps > 1:
+                rep.sharpness.append(asam_sharpness(obj, o.asam_rho, o.asam_eta, o.ascent_steps, base=base,
+                                                    callback=stage("ASAM ascent", o.ascent_steps + 1)))
+        if o.avg_rho > 0 and o.avg_samples >= 2:
+            rep.sharpness.append(average_sharpness(obj, o.avg_rho, o.avg_samples, seed=o.seed + 3, loss0=loss0,
+                                                   callback=stage("average-case sharpness", o.avg_samples)))
+        if o.landscape in ("1d", "both"):
+            rep.slice_1d = loss_slice_1d(obj, o.slice_span, o.slice_points, seed=o.seed + 4,
+                                         callback=stage("1-D loss slice", o.slice_points))
+        if o.landscape in ("2d", "both"):
+            rep.slice_2d = loss_slice_2d(obj, o.slice_span, o.slice_points_2d, seed=o.seed + 5,
+                                         callback=stage("2-D loss slice", o.slice_points_2d ** 2))
+        rep.hvps, rep.evaluations, rep.gradients = hv, obj.evaluations, obj.gradients
+    rep.seconds = time.perf_counter() - t0
+    return rep
+
+
+__all__ = ["Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D", "asam_sharpness",
+           "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d", "measure_sharpness",
+           "sam_sharpness", "worst_case_sharpness"]

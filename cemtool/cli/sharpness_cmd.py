@@ -1,0 +1,278 @@
+"""cemtool sharpness: Hessian spectrum, trace, density, sharpness measures and loss slices of a trained run."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cemtool.cli import console
+from cemtool.cli.app import app
+from cemtool.cli.common import guarded
+from cemtool.errors import CemtoolError
+
+QUICK = dict(tokens=1024, top_k=3, bottom_k=1, lanczos_steps=20, trace_hvps=20, density_runs=1, density_steps=20,
+             avg_samples=2, slice_points=7, slice_points_2d=5)
+
+
+class StageBar:
+    """A rich progress bar with one task per measurement stage."""
+
+    def __init__(self, quiet: bool):
+        self.bar = console.progress(quiet)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task(stage, total=max(total, 1), status="")
+            if total == 0:
+                self.bar.update(self.tasks[stage], completed=1, status="reused")
+                return
+        self.bar.update(self.tasks[stage], completed=done, status="")
+
+
+def _fmt(v, digits: int = 5) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _pm(v, se) -> str:
+    return _fmt(v) if se is None else f"{_fmt(v)} ± {_fmt(se, 2)}"
+
+
+def _summary(rep, header: str) -> list[list[str]]:
+    """Rows of the stdout table: quantity, value (± uncertainty), cost/notes."""
+    rows = [["loss (nats/token)", _fmt(rep.loss), f"{rep.tokens:,} tokens"],
+            ["‖grad‖", _fmt(rep.grad_norm), ""]]
+    e = rep.eigen
+    if e is not None:
+        for i, (v, r, ok) in enumerate(zip(e.top, e.top_error, e.top_converged, strict=True)):
+            rows.append([f"λ_top[{i + 1}]" if i else "λ_max", f"{_fmt(v)} (err ≤~{_fmt(r, 2)})",
+                         ("converged" if ok else "NOT converged") + (f", {e.hvps} HVPs" if i == 0 else "")])
+        for i, (v, r, ok) in enumerate(zip(e.bottom, e.bottom_error, e.bottom_converged, strict=True)):
+            rows.append([f"λ_bottom[{i + 1}]" if i else "λ_min", f"{_fmt(v)} (err ≤~{_fmt(r, 2)})",
+                         "converged" if ok else "NOT converged (raise --lanczos-steps)"])
+    for t in rep.traces:
+        rows.append([f"tr(H) {t.method}", _pm(t.trace, t.se), f"{t.hvps} HVPs"])
+        rows.append([f"tr(H)/n {t.method}", _pm(t.per_param, t.per_param_se), f"n = {t.n:,} parameters"])
+    d = rep.density
+    if d is not None:
+        rows.append(["density (SLQ)", f"{d.runs} run(s) × {d.steps} steps", f"σ = {_fmt(d.sigma, 3)}, "
+                     f"{d.hvps} new HVPs"])
+    for s in rep.sharpness:
+        name = {"sam": "SAM", "asam": "ASAM", "average": "average-case"}[s.kind]
+        extra = f"ρ = {s.rho:g}" + (f", η = {s.eta:g}" if s.eta is not None else "")
+        if s.ascent_steps > 1:
+            name += f" ({s.ascent_steps} ascent steps)"
+        if s.samples:
+            extra += f", {s.samples} antithetic pairs"
+        rows.append([f"sharpness {name}", _pm(s.value, s.se), extra])
+    if rep.slice_1d is not None:
+        sl = rep.slice_1d
+        rows.append(["1-D slice", f"min {_fmt(min(sl.losses))}, max {_fmt(max(sl.losses))}",
+                     f"{len(sl.alphas)} points, α ∈ ±{_fmt(max(sl.alphas), 3)}"])
+    if rep.slice_2d is not None:
+        flat = [v for row in rep.slice_2d.losses for v in row]
+        rows.append(["2-D slice", f"min {_fmt(min(flat))}, max {_fmt(max(flat))}",
+                     f"{len(rep.slice_2d.alphas)}² points"])
+    return rows
+
+
+def _slug(params: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", params).strip("-") or "subset"
+
+
+@app.command()
+@guarded
+def sharpness(
+    run: Annotated[Path, typer.Argument(help="run directory (from `cemtool train`)")],
+    checkpoint: Annotated[str, typer.Option(help="final, latest, a step number, or a checkpoint file")] = "final",
+    tokens: Annotated[int, typer.Option(help="evaluation tokens N (fixed validation windows); λ_max depends on "
+                                              "it. Default 2048 (--quick: 1024)")] = 2048,
+    batch_size: Annotated[Optional[int], typer.Option(help="sequences per batch (default: 8192 tokens per batch)",
+                                                      min=1)] = None,
+    dtype: Annotated[str, typer.Option(help="HVP dtype: fp32 (default) or fp64 (a converted copy of the model)")]
+    = "fp32",
+    params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
+                                             "parameter names (comma-separated union); default all")] = "all",
+    top_k: Annotated[int, typer.Option(help="largest eigenvalues (default 5)", min=0)] = 5,
+    bottom_k: Annotated[int, typer.Option(help="smallest eigenvalues (default 1)", min=0)] = 1,
+    lanczos_steps: Annotated[int, typer.Option(help="HVP cap of the eigenvalue Lanczos run (default 40)", min=0)]
+    = 40,
+    tol: Annotated[float, typer.Option(help="relative eigenvalue error at which Lanczos stops (default 1e-4)",
+                                       min=0.0)] = 1e-4,
+    trace_hvps: Annotated[int, typer.Option(help="HVPs per trace estimate, 0 = skip (default 40)", min=0)] = 40,
+    trace_method: Annotated[str, typer.Option(help="xtrace (default), hutch++, hutchinson, or a comma list")]
+    = "xtrace",
+    density_runs: Annotated[int, typer.Option(help="SLQ runs, 0 = skip (default 1; the first continues the "
+                                                   "eigenvalue run)", min=0)] = 1,
+    density_steps: Annotated[int, typer.Option(help="Lanczos steps per SLQ run (default 40)", min=1)] = 40,
+    density_sigma: Annotated[Optional[float], typer.Option(help="Gaussian smoothing of the density (default 1% of "
+                                                                "the spectral spread)")] = None,
+    sam_rho: Annotated[float, typer.Option(help="SAM radius ρ, 0 = skip (default 0.05)", min=0.0)] = 0.05,
+    asam_rho: Annotated[float, typer.Option(help="adaptive (ASAM) radius, 0 = skip (default 0.5)", min=0.0)] = 0.5,
+    asam_eta: Annotated[float, typer.Option(help="ASAM offset η in T_w = |w| + η (default 0.01)", min=0.0)] = 0.01,
+    ascent_steps: Annotated[int, typer.Option(help="gradient steps of SAM/ASAM; 1 = first order only (default 1)",
+                                              min=1)] = 1,
+    avg_rho: Annotated[float, typer.Option(help="average-case adaptive radius, 0 = skip (default 0.1)", min=0.0)]
+    = 0.1,
+    avg_samples: Annotated[int, typer.Option(help="antithetic pairs of the average-case estimate (default 4)",
+                                             min=2)] = 4,
+    landscape: Annotated[str, typer.Option(help="loss slices: 1d (default), 2d, both, none")] = "1d",
+    slice_points: Annotated[Optional[int], typer.Option(help="points per axis (default 21 for 1-D, 11 for 2-D)",
+                                                        min=2)] = None,
+    slice_span: Annotated[float, typer.Option(help="slice coordinates in [-span, span] (default 1)", min=0.0)]
+    = 1.0,
+    backend: Annotated[str, typer.Option(help="cemtool (default), or pyhessian to cross-check with PyHessian")]
+    = "cemtool",
+    seed: Annotated[int, typer.Option(help="seed of every random vector and direction (default 0)")] = 0,
+    device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")] = "auto",
+    quick: Annotated[bool, typer.Option("--quick", help="small budgets: 1024 tokens, top-3, 20-step Lanczos, "
+                                        "20-HVP trace, 7-point slice")] = False,
+    name: Annotated[Optional[str], typer.Option(help="report name (default sharpness, or sharpness-<params> for a "
+                                                "subset; sharpness_pyhessian for --backend pyhessian)")] = None,
+    plot: Annotated[bool, typer.Option(help="write figures to plots/ (default on)")] = True,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
+    json_: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Measure the curvature of a trained model's loss: extreme Hessian eigenvalues (Lanczos, both ends), trace,
+    spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
+    .csv and figures into the run directory; prints a summary with the evaluation token count."""
+    from cemtool.analysis.hessian import evaluation_set, resolve_dtype
+    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
+    from cemtool.report import provenance, write_report
+    from cemtool.runs import load_run
+    from cemtool.train import pick_device
+
+    if backend not in ("cemtool", "pyhessian"):
+        raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
+    resolve_dtype(dtype)
+    if quick:
+        tokens = min(tokens, QUICK["tokens"])
+        top_k, bottom_k = min(top_k, QUICK["top_k"]), min(bottom_k, QUICK["bottom_k"])
+        lanczos_steps, trace_hvps = min(lanczos_steps, QUICK["lanczos_steps"]), min(trace_hvps, QUICK["trace_hvps"])
+        density_runs, density_steps = min(density_runs, 1), min(density_steps, QUICK["density_steps"])
+        avg_samples = min(avg_samples, QUICK["avg_samples"])
+    if tokens <= 0:
+        raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
+    dev = pick_device(device)
+    loaded = load_run(run, checkpoint, device=dev)
+    x, y = evaluation_set(loaded, tokens)
+    arch = loaded.config.model.arch
+    ckpt = loaded.checkpoint.name
+    where = (f"{loaded.run.path}  arch {arch}  checkpoint {ckpt} (step {loaded.step})  N = {y.numel():,} "
+             f"evaluation tokens ({x.shape[0]} windows × {x.shape[1]})  {dtype} on {dev}")
+    console.info(where, quiet)
+    seq = x.shape[1]
+    if backend == "pyhessian":
+        _pyhessian(loaded, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size, top_k=top_k,
+                   density_runs=density_runs, density_steps=density_steps, seed=seed,
+                   name=name or "sharpness_pyhessian", quiet=quiet, json_=json_, where=where)
+        return
+
+    opts = SharpnessOptions(
+        params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
+        lanczos_steps=lanczos_steps, tol=tol,
+        trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
+        density_runs=density_runs, density_steps=density_steps, density_sigma=density_sigma, sam_rho=sam_rho,
+        asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho, avg_samples=avg_samples,
+        landscape=landscape,
+        slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
+        slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
+        slice_span=slice_span, seed=seed, device=str(dev))
+    with StageBar(quiet) as bar:
+        rep = measure_sharpness(loaded.model, x, y, opts, progress=bar)
+    report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
+    payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
+                                        analysis="sharpness", backend="cemtool", arch=arch, tokens=rep.tokens,
+                                        device=str(dev), seq_len=seq),
+               **rep.payload()}
+    paths = write_report(loaded.run.reports, report_name, payload, rep.rows())
+    figures = []
+    if plot:
+        from cemtool.plots.sharpness import plot_sharpness
+
+        figures = plot_sharpness(payload, loaded.run.plots, prefix=report_name)
+    if json_:
+        console.print_json(payload)
+        return
+    console.table(f"sharpness of {arch} ({rep.n_params:,} of {rep.n_model_params:,} parameters: {params}) on "
+                  f"N = {rep.tokens:,} tokens", ["quantity", "value", "notes"], _summary(rep, where))
+    console.result(f"{rep.hvps} HVPs, {rep.evaluations} loss and {rep.gradients} gradient passes in "
+                   f"{rep.seconds:.1f} s; N = {rep.tokens:,} tokens, seed {seed}")
+    console.result(f"report: {paths['json']}  table: {paths['csv']}"
+                   + (f"  figures: {', '.join(str(p) for p in figures if p.suffix == '.png')}" if figures else ""))
+
+
+def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, density_runs, density_steps, seed, name,
+               quiet, json_, where) -> None:
+    """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens."""
+    from dataclasses import asdict
+
+    from cemtool.analysis.pyhessian_backend import run_pyhessian
+    from cemtool.report import provenance, write_report
+    from cemtool.runs import read_json
+
+    console.info("running PyHessian (power iteration, Hutchinson with its own stopping rule, SLQ)", quiet)
+    t0 = time.perf_counter()
+    res = run_pyhessian(loaded.model, x, y, params=params, dtype=dtype, device=device, batch_size=batch_size,
+                        top_k=max(top_k, 1), density_runs=max(density_runs, 1), density_steps=density_steps,
+                        seed=seed)
+    seconds = time.perf_counter() - t0
+    ckpt = loaded.checkpoint.name
+    payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
+                                        analysis="sharpness", backend="pyhessian", pyhessian=res.version,
+                                        tokens=res.tokens, device=str(device)),
+               "params": params, "dtype": dtype, "seconds": seconds, **asdict(res)}
+    rows = [{"quantity": "lambda_power_iteration", "index": i + 1, "value": v, "hvps": res.eigen_hvps,
+             "seconds": res.eigen_seconds, "tokens": res.tokens, "seed": seed} for i, v in enumerate(res.eigenvalues)]
+    if res.trace is not None:
+        rows.append({"quantity": "trace_hutchinson", "index": 0, "value": res.trace, "uncertainty": res.trace_se,
+                     "hvps": res.trace_hvps, "seconds": res.trace_seconds, "tokens": res.tokens, "seed": seed})
+    paths = write_report(loaded.run.reports, name, payload, rows)
+    if json_:
+        console.print_json(payload)
+        return
+    ours = None
+    mine = loaded.run.reports / ("sharpness.json" if params == "all" else f"sharpness-{_slug(params)}.json")
+    if mine.exists():
+        rep = read_json(mine, "report")
+        if rep.get("tokens") == res.tokens and rep.get("options", {}).get("params") == params:
+            ours = rep
+    cols = ["quantity", "PyHessian", "HVPs"] + (["cemtool (reports)", "HVPs "] if ours else [])
+    table = []
+    for i, v in enumerate(res.eigenvalues):
+        row = [f"eigenvalue {i + 1} (power iteration)", _fmt(v), str(res.eigen_hvps) if i == 0 else ""]
+        if ours:
+            top = (ours.get("eigen") or {}).get("top") or []
+            row += [_fmt(top[i]) if i < len(top) else "", str(ours["eigen"]["hvps"]) if i == 0 and top else ""]
+        table.append(row)
+    if res.trace is not None:
+        row = ["tr(H) Hutchinson", _pm(res.trace, res.trace_se), str(res.trace_hvps)]
+        if ours and ours.get("traces"):
+            t = ours["traces"][0]
+            row += [f"{_pm(t['trace'], t['se'])} ({t['method']})", str(t["hvps"])]
+        table.append(row)
+    if res.density_nodes:
+        table.append(["density (SLQ)", f"{len(res.density_nodes)} run(s)", str(res.density_hvps)]
+                     + (["", ""] if ours else []))
+    console.table(f"PyHessian {res.version} on N = {res.tokens:,} tokens ({res.n:,} parameters: {params})", cols,
+                  table)
+    for step, msg in res.errors.items():
+        console.result(f"PyHessian {step}() failed: {msg}")
+    if res.density_note:
+        console.result(f"note: {res.density_note}")
+    console.result(f"report: {paths['json']}  ({seconds:.1f} s; N = {res.tokens:,} tokens)")

@@ -1,0 +1,125 @@
+"""`cemtool sharpness`: help, a tiny real run (reports, CSV, figures, summary), the PyHessian backend, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from cemtool.cli.main import app
+
+QUICK = ["--quick", "--device", "cpu", "--quiet", "--trace-hvps", "8", "--lanczos-steps", "10",
+         "--density-steps", "12", "--slice-points", "3"]
+
+
+@pytest.fixture()
+def run_dir(tiny_run, tmp_path):
+    return str(shutil.copytree(tiny_run, tmp_path / "run"))
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["sharpness", *args])
+
+
+def test_help_lists_the_options():
+    res = invoke("--help")
+    assert res.exit_code == 0
+    for opt in ("--tokens", "--params", "--top-k", "--bottom-k", "--trace-hvps", "--density-runs", "--sam-rho",
+                "--landscape", "--backend", "--dtype", "--quick"):
+        assert opt in res.output
+
+
+def test_a_tiny_run_writes_reports_figures_and_a_summary(run_dir):
+    from pathlib import Path
+
+    res = invoke(run_dir, *QUICK, "--landscape", "both", "--trace-method", "hutch++,xtrace", "--ascent-steps", "2")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((Path(run_dir) / "reports" / "sharpness.json").read_text())
+    n_tokens = rep["tokens"]
+    assert n_tokens == 1024 and rep["provenance"]["tokens"] == n_tokens and rep["provenance"]["step"] == 30
+    assert f"N = {n_tokens:,} tokens" in res.output  # the token count is always printed
+    assert "λ_max" in res.output and "sharpness SAM" in res.output
+    eig = rep["eigen"]
+    assert len(eig["top"]) == 3 and len(eig["top_converged"]) == 3 and eig["hvps"] <= 10
+    assert [t["method"] for t in rep["traces"]] == ["hutch++", "xtrace"] and all(t["se"] > 0 for t in rep["traces"])
+    kinds = [(s["kind"], s["ascent_steps"]) for s in rep["sharpness"]]
+    assert ("sam", 2) in kinds and ("asam", 1) in kinds and ("average", 0) in kinds
+    assert rep["hvps"] == eig["hvps"] + 2 * 8 + rep["density"]["hvps"]
+    csv = (Path(run_dir) / "reports" / "sharpness.csv").read_text().splitlines()
+    assert csv[0].startswith("quantity,index,value,uncertainty") and any(r.startswith("lambda_top,1,") for r in csv)
+    for fig in ("sharpness_spectrum", "sharpness_slice_1d", "sharpness_slice_2d"):
+        assert (Path(run_dir) / "plots" / f"{fig}.png").stat().st_size > 1000
+
+
+def test_per_layer_report_and_json(run_dir):
+    from pathlib import Path
+
+    res = invoke(run_dir, *QUICK, "--params", "layer:1", "--landscape", "none", "--json", "--no-plot")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["options"]["params"] == "layer:1" and all(n.startswith("blocks.1.") for n in rep["param_names"])
+    assert (Path(run_dir) / "reports" / "sharpness-layer-1.json").exists()
+
+
+def test_pyhessian_backend_cross_checks(run_dir):
+    from pathlib import Path
+
+    assert invoke(run_dir, *QUICK, "--landscape", "none", "--no-plot").exit_code == 0
+    res = invoke(run_dir, *QUICK, "--backend", "pyhessian", "--top-k", "2", "--density-steps", "5")
+    assert res.exit_code == 0, res.output
+    assert "PyHessian" in res.output and "cemtool (reports)" in res.output and "N = 1,024 tokens" in res.output
+    rep = json.loads((Path(run_dir) / "reports" / "sharpness_pyhessian.json").read_text())
+    assert len(rep["eigenvalues"]) == 2 and rep["eigen_hvps"] > 0 and rep["errors"] == {}
+
+
+def test_a_pyhessian_failure_is_reported_not_raised(run_dir, monkeypatch):
+    import importlib
+
+    ph = importlib.import_module("pyhessian.hessian")
+
+    def broken(self, *a, **k):
+        raise RuntimeError("simulated PyHessian bug")
+
+    monkeypatch.setattr(ph.hessian, "eigenvalues", broken)
+    res = invoke(run_dir, *QUICK, "--backend", "pyhessian", "--density-runs", "1", "--density-steps", "3")
+    assert res.exit_code == 0, res.output
+    assert "PyHessian eigenvalues() failed: RuntimeError: simulated PyHessian bug" in res.output
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--params", "nonexistent.*"], "matches no parameter"),
+    (["--tokens", "0"], "--tokens must be positive"),
+    (["--checkpoint", "step_999"], "does not exist"),
+    (["--trace-method", "magic"], "unknown trace method"),
+])
+def test_bad_input_is_one_line(run_dir, args, message):
+    res = invoke(run_dir, *QUICK, *args)
+    assert res.exit_code == 1, res.output
+    assert "Error: " in res.output and message in res.output and "Traceback" not in res.output
+
+
+def test_missing_checkpoint_and_missing_run(run_dir, tmp_path):
+    from pathlib import Path
+
+    (Path(run_dir) / "checkpoints" / "final.safetensors").unlink()
+    res = invoke(run_dir, *QUICK)
+    assert res.exit_code == 1 and "no final checkpoint" in res.output
+    res = invoke(str(tmp_path / "nowhere"), *QUICK)
+    assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_model_too_large_for_fp64_is_one_line(run_dir, monkeypatch):
+    from cemtool.analysis import hessian
+
+    monkeypatch.setattr(hessian, "available_memory", lambda device: 1 << 20)
+    res = invoke(run_dir, *QUICK, "--dtype", "fp64")
+    assert res.exit_code == 1
+    assert "too large" in res.output and "fp64" in res.output and "--dtype fp32" in res.output
+
+
+def test_bad_usage_exits_2(run_dir):
+    assert invoke(run_dir, "--backend", "magic").exit_code == 2
+    assert invoke(run_dir, "--top-k", "-1").exit_code == 2

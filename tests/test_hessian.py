@@ -1,0 +1,335 @@
+"""Curvature engine against dense Hessians of tiny models (torch.autograd.functional.hessian) and closed forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.func import functional_call
+
+from cemtool.analysis import hessian as hs
+from cemtool.analysis.hessian import (
+    DenseOperator,
+    Objective,
+    hutch_plus_plus,
+    hutchinson,
+    lanczos,
+    select_parameters,
+    slq,
+    xtrace,
+)
+from cemtool.config import replace, resolve
+from cemtool.errors import CemtoolError
+from cemtool.models import archs, attention_impl, build_model, lm_loss
+
+V, T = 16, 8
+
+
+def tiny(arch: str = "baseline", d: int = 16, n_layer: int = 1, **over) -> torch.nn.Module:
+    sets = [f"model.d_model={d}", f"model.n_layer={n_layer}", "model.n_head=2", "model.mlp_hidden=16"]
+    sets += [f"model.{k}={v}" for k, v in over.items()]
+    cfg = resolve(arch=arch, overrides=sets)
+    torch.manual_seed(0)
+    return build_model(replace(cfg.model, vocab_size=V, max_seq_len=T))
+
+
+def tokens(n: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, V, (n, T + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def dense_hessian(model: torch.nn.Module, x, y, names: list[str]) -> torch.Tensor:
+    """Exact Hessian of the mean token loss w.r.t. the named parameters, float64, by autograd.functional."""
+    md = {k: v.detach().to(torch.float64) for k, v in model.named_parameters()}
+    bufs = {k: (v.to(torch.float64) if v.is_floating_point() else v) for k, v in model.named_buffers()}
+    work = __import__("copy").deepcopy(model).to(torch.float64).eval()
+    sizes = [md[n].numel() for n in names]
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        ps = dict(md)
+        for n, t in zip(names, torch.split(w, sizes), strict=True):
+            ps[n] = t.view(md[n].shape)
+        with attention_impl("explicit"):
+            return lm_loss(functional_call(work, {**ps, **bufs}, (x,)), y)
+
+    w0 = torch.cat([md[n].reshape(-1) for n in names])
+    H = torch.autograd.functional.hessian(f, w0, vectorize=True)
+    return (H + H.T) / 2
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """A 1-layer baseline (2,096 parameters), 32 tokens, its exact Hessian and spectrum."""
+    model = tiny()
+    x, y = tokens()
+    names = [n for n, _ in model.named_parameters()]
+    H = dense_hessian(model, x, y, names)
+    return model, x, y, names, H, torch.linalg.eigvalsh(H)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# the HVP engine
+
+
+def test_hvp_matches_dense_hessian_for_every_batching(problem):
+    model, x, y, _, H, _ = problem
+    v = torch.randn(H.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    exact = H @ v
+    for bs, keep in ((None, "auto"), (1, True), (3, False), (2, "auto")):
+        with Objective(model, x, y, dtype="fp64", batch_size=bs, keep_graph=keep) as obj:
+            hv = obj.hvp(v)
+            assert obj.n == H.shape[0] and obj.tokens == 32
+            assert float((hv - exact).norm() / exact.norm()) < 1e-10, (bs, keep)
+            assert float((obj.hvp(v) - hv).norm()) < 1e-12 * float(hv.norm())  # reused graph = same result
+
+
+def test_hvp_fp32_is_close_and_autocast_is_switched_off(problem):
+    model, x, y, _, H, _ = problem
+    v = torch.randn(H.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), Objective(model, x, y, dtype="fp32") as obj:
+        hv = obj.hvp(v)
+        assert torch.is_autocast_enabled("cpu")  # restored around the call
+    assert float((hv - H @ v).norm() / (H @ v).norm()) < 1e-5  # bf16 would be ~1e-2
+
+
+def test_objective_leaves_the_model_as_it_was():
+    model = tiny()
+    x, y = tokens()
+    model.train()
+    model.blocks[0].ln1.weight.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with Objective(model, x, y, dtype="fp32") as obj:  # fp32 model: works on the model itself
+        assert obj.model is model and not model.training
+        with obj.shifted(torch.ones(obj.n)):
+            assert obj.loss() != pytest.approx(0.0)
+        obj.hvp(torch.ones(obj.n))
+    assert model.training and not model.blocks[0].ln1.weight.requires_grad
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with Objective(model, x, y, dtype="fp64") as obj:  # fp64: a converted copy
+        assert obj.model is not model
+        obj.hvp(torch.ones(obj.n))
+    assert next(model.parameters()).dtype == torch.float32 and model.training
+
+
+def test_fused_attention_config_is_differentiated_through_the_explicit_path(problem):
+    model, x, y, _, H, _ = problem
+    assert model.cfg.attn_impl == "fused"  # the default: SDPA, which has no double backward
+    with Objective(model, x, y, dtype="fp64") as obj:
+        v = torch.ones(obj.n, dtype=torch.float64)
+        assert float((obj.hvp(v) - H @ v).norm()) < 1e-10 * float((H @ v).norm())
+
+
+def test_unused_parameter_gets_zero_curvature():
+    model = tiny()
+    model.spare = torch.nn.Parameter(torch.ones(3))  # never used by forward
+    x, y = tokens()
+    with Objective(model, x, y, dtype="fp64") as obj:
+        assert "spare" in obj.names
+        hv = obj.split(obj.hvp(torch.ones(obj.n)))
+        assert torch.equal(hv[obj.names.index("spare")], torch.zeros(3, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# parameter subsets
+
+
+def test_parameter_selection_names():
+    model = tiny(n_layer=2)
+    sel = lambda spec: [n for n, _ in select_parameters(model, spec)]  # noqa: E731
+    assert sel("all") == [n for n, _ in model.named_parameters()]
+    assert sel("layer:1") and all(n.startswith("blocks.1.") for n in sel("layer:1"))
+    assert sel("attn") == [n for n, _ in model.named_parameters() if ".attn." in n]
+    assert sel("mlp") == [n for n, _ in model.named_parameters() if ".mlp." in n]
+    assert sel("blocks.*.mlp.up.weight") == ["blocks.0.mlp.up.weight", "blocks.1.mlp.up.weight"]
+    assert set(sel("attn,mlp")) == set(sel("attn")) | set(sel("mlp"))
+    for bad, msg in (("nothing*", "matches no parameter"), ("layer:7", "no layer 7"), ("layer:x", "layer:N")):
+        with pytest.raises(CemtoolError, match=msg):
+            select_parameters(model, bad)
+
+
+@pytest.mark.parametrize("spec", ["layer:0", "attn", "mlp", "blocks.0.mlp.*"])
+def test_restricted_hessian_equals_the_dense_sub_block(problem, spec):
+    model, x, y, names, H, _ = problem
+    sizes = [p.numel() for _, p in model.named_parameters()]
+    offsets = dict(zip(names, np.cumsum([0] + sizes[:-1]), strict=True))
+    with Objective(model, x, y, params=spec, dtype="fp64") as obj:
+        idx = torch.cat([torch.arange(offsets[n], offsets[n] + obj.sizes[i]) for i, n in enumerate(obj.names)])
+        block = H[idx][:, idx]
+        v = torch.randn(obj.n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        assert float((obj.hvp(v) - block @ v).norm()) < 1e-10 * float((block @ v).norm())
+        e = lanczos(obj, 1, 1, max_steps=obj.n, tol=1e-10)
+    ev = torch.linalg.eigvalsh(block)
+    assert e.top[0] == pytest.approx(float(ev[-1]), rel=1e-6)
+    assert e.bottom[0] == pytest.approx(float(ev[0]), rel=1e-6, abs=1e-8)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Lanczos
+
+
+def test_lanczos_top5_and_bottom_match_the_dense_spectrum(problem):
+    model, x, y, _, H, ev = problem
+    with Objective(model, x, y, dtype="fp64") as obj:
+        e = lanczos(obj, 5, 2, max_steps=300, tol=1e-9, seed=3)
+    top, bottom = ev.flip(0)[:5].numpy(), ev[:2].numpy()
+    assert e.converged and e.hvps == e.steps < 300
+    np.testing.assert_allclose(e.top, top, rtol=1e-5)
+    np.testing.assert_allclose(e.bottom, bottom, rtol=1e-5)
+    for v, r in zip(e.top + e.bottom, e.top_residual + e.bottom_residual, strict=True):
+        assert float((ev - v).abs().min()) <= r + 1e-10  # the residual is a rigorous bound
+
+
+def test_lanczos_is_seedable_and_reports_unconverged_values(problem):
+    model, x, y, _, _, ev = problem
+    with Objective(model, x, y, dtype="fp64") as obj:
+        a = lanczos(obj, 3, 1, max_steps=40, seed=5)
+        b = lanczos(obj, 3, 1, max_steps=40, seed=5)
+        c = lanczos(obj, 3, 1, max_steps=6, seed=5)
+    assert a.top == b.top and a.bottom == b.bottom and a.steps == b.steps
+    assert c.steps == 6 and not c.converged  # 6 steps cannot resolve this spectrum
+    assert c.top[0] <= float(ev[-1]) + 1e-9  # Ritz values interlace: never beyond the true extremes
+
+
+def test_lanczos_returns_the_algebraic_maximum_not_the_largest_magnitude():
+    """Power iteration would return -10 here (largest magnitude); λ_max is 5."""
+    q, _ = torch.linalg.qr(torch.randn(60, 60, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    lam = torch.cat([torch.tensor([-10.0, 5.0, 4.0]), torch.linspace(-1, 1, 57)]).double()
+    op = DenseOperator(q @ torch.diag(lam) @ q.T)
+    e = lanczos(op, 2, 1, max_steps=60, tol=1e-10, return_vectors=True)
+    assert e.top == pytest.approx([5.0, 4.0], rel=1e-9) and e.bottom == pytest.approx([-10.0], rel=1e-9)
+    y = e.vectors_top[:, 0]
+    res = float((op.matrix @ y - e.top[0] * y).norm())  # the Ritz residual, as reported
+    assert res == pytest.approx(e.top_residual[0], rel=1e-3, abs=1e-12) and res < 1e-5
+
+
+def test_lanczos_survives_an_invariant_subspace():
+    """A matrix with 3 distinct eigenvalues: the Krylov space closes after 3 steps and Lanczos restarts."""
+    q, _ = torch.linalg.qr(torch.randn(30, 30, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    lam = torch.tensor([3.0] * 10 + [1.0] * 10 + [-2.0] * 10, dtype=torch.float64)
+    e = lanczos(DenseOperator(q @ torch.diag(lam) @ q.T), 2, 1, max_steps=30, tol=1e-10)
+    assert e.top == pytest.approx([3.0, 3.0], abs=1e-9) and e.bottom == pytest.approx([-2.0], abs=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# trace
+
+
+@pytest.mark.parametrize("method", [hutchinson, hutch_plus_plus, xtrace])
+def test_trace_estimators_are_unbiased_with_honest_standard_errors(problem, method):
+    H = problem[4][:800, :800]  # the Hessian w.r.t. the first 800 parameters (a principal sub-block)
+    op, exact = DenseOperator(H), float(torch.trace(H))
+    runs = [method(op, 60, seed=s) for s in range(30)]
+    est = np.array([r.trace for r in runs])
+    se_of_mean = est.std(ddof=1) / np.sqrt(len(est))
+    assert abs(est.mean() - exact) <= 3.5 * se_of_mean  # unbiased
+    ratio = np.mean([r.se for r in runs]) / est.std(ddof=1)  # reported SE matches the spread over seeds
+    assert 0.5 < ratio < 2.0, ratio
+    assert all(r.hvps == 60 and r.per_param == pytest.approx(r.trace / H.shape[0]) for r in runs)
+
+
+def test_trace_on_the_model_itself_matches_the_dense_trace(problem):
+    model, x, y, _, _, ev = problem
+    with Objective(model, x, y, dtype="fp64") as obj:
+        t = hutch_plus_plus(obj, 30, seed=0)
+        assert obj.hvps == 30
+    assert abs(t.trace - float(ev.sum())) <= 4 * t.se
+
+
+def test_sketching_estimators_are_exact_on_low_rank_matrices():
+    g = torch.Generator().manual_seed(2)
+    B = torch.randn(80, 6, generator=g, dtype=torch.float64)
+    A = B @ torch.diag(torch.tensor([5.0, 3, 2, -1, -2, 0.5], dtype=torch.float64)) @ B.T  # rank 6, indefinite
+    exact = float(torch.trace(A))
+    assert hutch_plus_plus(DenseOperator(A), 24).trace == pytest.approx(exact, rel=1e-9)  # sketch rank 8 >= 6
+    assert xtrace(DenseOperator(A), 20).trace == pytest.approx(exact, rel=1e-9)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# spectral density
+
+
+def test_slq_density_matches_the_exact_eigenvalue_histogram(problem):
+    _, _, _, _, H, ev = problem
+    d = slq(DenseOperator(H), runs=8, steps=60, seed=0)
+    nodes, weights = np.concatenate(d.nodes), np.concatenate(d.weights) / d.runs
+    assert weights.sum() == pytest.approx(1.0) and d.hvps == 8 * 60
+    grid = np.linspace(float(ev[0]) - 1, float(ev[-1]) + 1, 4001)
+    cdf_slq = np.array([weights[nodes <= g].sum() for g in grid])
+    cdf_exact = np.searchsorted(np.sort(ev.numpy()), grid, side="right") / len(ev)
+    spread = float(ev[-1] - ev[0])
+    w1 = np.trapezoid(np.abs(cdf_slq - cdf_exact), grid)  # Wasserstein-1 distance of the spectral measures
+    assert w1 < 0.01 * spread, w1 / spread
+    exact_density = hs.smooth_density(ev.numpy(), np.full(len(ev), 1 / len(ev)), np.asarray(d.grid), d.sigma)
+    l1 = np.trapezoid(np.abs(np.asarray(d.density) - exact_density), d.grid)
+    assert l1 < 0.2, l1  # same smoothing, close densities (total variation 0.1)
+    assert np.trapezoid(d.density, d.grid) == pytest.approx(1.0, abs=1e-3)
+    assert abs(d.trace - float(ev.sum())) < 4 * d.trace_se
+
+
+def test_slq_continues_the_eigenvalue_run(problem):
+    _, _, _, _, H, _ = problem
+    op = DenseOperator(H)
+    e = lanczos(op, 2, 1, max_steps=40, seed=1)
+    taken = e.steps
+    d = slq(op, runs=2, steps=50, reuse=[e.state], seed=2)
+    assert d.hvps == (50 - taken) + 50 and len(d.nodes[0]) == 50
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_is_one_clear_error(problem, monkeypatch):
+    model, x, y, _, _, _ = problem
+    with pytest.raises(CemtoolError, match="zero tokens"):
+        Objective(model, x[:0], y[:0])
+    with pytest.raises(CemtoolError, match="matches no parameter"):
+        Objective(model, x, y, params="nope.*")
+    monkeypatch.setattr(hs, "available_memory", lambda device: 10_000)
+    with pytest.raises(CemtoolError, match="too large.*fp64") as err:
+        Objective(model, x, y, dtype="fp64")
+    assert "--dtype fp32" in err.value.hint
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# every family
+
+
+@pytest.mark.parametrize("arch", ["baseline", "cem", "hb", "lime"])
+def test_every_family_has_symmetric_consistent_hvps(arch):
+    if arch not in archs():
+        pytest.skip(f"{arch} is not registered")
+    model = tiny(arch, n_layer=2)
+    x, y = tokens(2)
+    with Objective(model, x, y, dtype="fp64") as obj:
+        g = torch.Generator().manual_seed(1)
+        u, v = (torch.randn(obj.n, generator=g, dtype=torch.float64) for _ in range(2))
+        Hu, Hv = obj.hvp(u), obj.hvp(v)
+        assert abs(float(u @ Hv - v @ Hu)) < 1e-10 * abs(float(u @ Hv))  # H is symmetric
+        eps = 1e-4
+        with obj.shifted(eps * v):
+            gp = obj.gradient()[1]
+        with obj.shifted(-eps * v):
+            gm = obj.gradient()[1]
+        assert float(((gp - gm) / (2 * eps) - Hv).norm() / Hv.norm()) < 1e-3  # H v = d/dt grad(w + t v)
+        e = lanczos(obj, 1, 1, max_steps=25)
+    assert e.top[0] > 0 > e.bottom[0]
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# PyHessian backend
+
+
+def test_pyhessian_backend_runs_on_the_same_model_and_reports_its_failures(problem):
+    from cemtool.analysis.pyhessian_backend import run_pyhessian
+
+    model, x, y, _, _, ev = problem
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    res = run_pyhessian(model, x, y, dtype="fp64", top_k=1, density_steps=10, trace_iter=20)
+    assert not res.errors and res.eigen_hvps > 0 and res.n == len(ev) and res.tokens == 32
+    assert abs(res.eigenvalues[0]) == pytest.approx(float(ev.abs().max()), rel=2e-2)  # largest magnitude
+    assert len(res.density_nodes) == 1 and "shim" in res.density_note
+    bad = run_pyhessian(model, x, y, dtype="fp64", eig_shim=False, steps=("density",), density_steps=5)
+    assert "density" in bad.errors and "RuntimeError" in bad.errors["density"]  # torch.eig is gone
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
