@@ -134,7 +134,7 @@ class DataConfig:
 class TrainConfig:
     """The optimisation loop."""
 
-    max_steps: int = opt(1200, "optimizer steps (ignored when max_tokens > 0)", min=1)
+    max_steps: int = opt(800, "optimizer steps (ignored when max_tokens > 0)", min=1)
     max_tokens: int = opt(0, "train on this many tokens instead of max_steps (0 = use max_steps)", min=0)
     batch_size: int = opt(32, "sequences per micro-batch (global, across processes)", min=1)
     grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
