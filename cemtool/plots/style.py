@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 _PALETTE = plt.get_cmap("tab20").colors
 _FIXED = {"baseline": 0, "vanilla": 0, "cem": 2, "hb": 4, "nesterov": 6, "tmm": 8, "adam": 10, "adamw": 12,
-          "lime": 14, "muon": 16, "soap": 18}
+          "lime": 17, "muon": 16, "soap": 18}  # 14/15 are greys, kept for references
 
 
 def arch_color(arch: str) -> tuple:

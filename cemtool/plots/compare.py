@@ -1,0 +1,260 @@
+"""Figures that put several runs side by side, from saved reports only (never recomputes, never imports models):
+
+- forgetting curves: the source-data and target-data validation losses along each fine-tune
+  (reports/forgetting.json of the fine-tuned runs), forgetting and plasticity in the legend;
+- eigenvalues per layer: lambda_max, lambda_min and tr(H)/n of each layer's parameter block, from the
+  ``cemtool sharpness --params layer:N`` reports (reports/sharpness-layer-N.json) of one or several runs;
+- comparison bars: one bar per architecture and measure with error bars (reports/compare.json).
+
+Colour = architecture (:func:`cemtool.plots.style.arch_color`) and line style = seed, as in the training curves.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
+
+from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES
+
+# --------------------------------------------------------------------------------------------------------------
+# forgetting curves
+
+
+def _forgetting_label(rep: dict, dup: bool) -> str:
+    src = rep["source"]
+    seed = (rep.get("provenance") or {}).get("seed")
+    return Path(src["run"]).name if dup else f"{src['arch']} (seed {seed})"
+
+
+def plot_forgetting(reports: list[dict], plots_dir: str | Path, name: str = "forgetting") -> list[Path]:
+    """Left: loss on the source data A along the fine-tune (rises = forgetting); right: loss on the target data B
+    (falls = plasticity). One line per fine-tune; the exact floors dashed where known."""
+    if not reports:
+        return []
+    keys = [(r["source"]["arch"], (r.get("provenance") or {}).get("seed")) for r in reports]
+    seeds = sorted({k[1] for k in keys}, key=lambda s: (s is None, s))
+    rows = (len(reports) + 1 + 2) // 3  # legend rows below the axes
+    fig, axes = new_figure(11.0, 4.2 + 0.25 * rows, ncols=2)
+    for rep, key in zip(reports, keys, strict=True):
+        label = _forgetting_label(rep, keys.count(key) > 1)
+        color, ls = arch_color(key[0]), SEED_STYLES[seeds.index(key[1]) % len(SEED_STYLES)]
+        steps = [p["step"] for p in rep["curve"]]
+        for ax, field in ((axes[0, 0], "source_loss"), (axes[0, 1], "target_loss")):
+            ax.plot(steps, [p[field] for p in rep["curve"]], color=color, ls=ls, lw=1.8, marker="o", ms=3,
+                    label=f"{label}: forgetting {rep['forgetting']:+.3f}, plasticity {rep['plasticity']:+.3f}")
+    floor_text = []
+    for ax, side in ((axes[0, 0], "source"), (axes[0, 1], "target")):
+        floors = sorted({round(r[side]["floor"], 6) for r in reports if r[side].get("floor") is not None})
+        for f in floors:
+            ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
+        floor_text += [f"{side} {f:.3f}" for f in floors]
+        data = sorted({str(r[side]["data"]) for r in reports})
+        ax.set_title(f"{side} data ({', '.join(data)}): " + ("forgetting = after - before" if side == "source"
+                                                              else "plasticity = before - after"), fontsize=9)
+        ax.set_xlabel("fine-tuning step")
+        ax.set_ylabel(f"validation loss on the {side} data (nats/token)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    if floor_text:
+        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
+        labels.append(f"entropy floor ({', '.join(floor_text)})")
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 3))
+    rec = reports[0]["recipe"]
+    fig.suptitle(f"fine-tune: AdamW lr {rec['lr']:g}, {rec['steps']} steps ({rec['warmup_steps']} warmup, "
+                 f"{rec['schedule']}), {rec['tokens_per_step']:,} tokens/step", fontsize=9)
+    return save(fig, plots_dir, name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# eigenvalues per layer
+
+LAYER_SUBSET = re.compile(r"^layer:(\d+)$")
+
+
+def layer_of(report: dict) -> int | None:
+    """The layer a sharpness report measured (``--params layer:N``), else None."""
+    m = LAYER_SUBSET.match(str((report.get("options") or {}).get("params", "")))
+    return int(m.group(1)) if m else None
+
+
+def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str = "sharpness_layers") -> list[Path]:
+    """``entries``: [{"label", "arch", "seed", "reports": [sharpness reports of layer subsets]}]. Panels:
+    lambda_max and lambda_min of each layer's block of the Hessian (error bars: Lanczos error estimates; hollow
+    markers: not converged), and tr(H)/n of the block when a trace was measured (error bars: s.e.)."""
+    entries = [e for e in entries if any(layer_of(r) is not None and r.get("eigen") for r in e["reports"])]
+    if not entries:
+        return []
+    has_trace = any(r.get("traces") for e in entries for r in e["reports"])
+    ncols = 3 if has_trace else 2
+    fig, axes = new_figure(4.0 * ncols, 3.8 + 0.25 * ((len(entries) + 3) // 4), ncols=ncols)
+    seeds = sorted({e["seed"] for e in entries}, key=lambda s: (s is None, s))
+    tokens = sorted({r.get("tokens") for e in entries for r in e["reports"] if r.get("tokens")})
+    for e in entries:
+        reps = sorted((r for r in e["reports"] if layer_of(r) is not None and r.get("eigen")), key=layer_of)
+        color, ls = arch_color(e["arch"]), SEED_STYLES[seeds.index(e["seed"]) % len(SEED_STYLES)]
+        layers = [layer_of(r) for r in reps]
+        for ax, end, err, ok in ((axes[0, 0], "top", "top_error", "top_converged"),
+                                 (axes[0, 1], "bottom", "bottom_error", "bottom_converged")):
+            pts = [(layer, r["eigen"][end][0], r["eigen"][err][0], r["eigen"][ok][0])
+                   for layer, r in zip(layers, reps, strict=True) if r["eigen"].get(end)]
+            if not pts:
+                continue
+            x, y, yerr, conv = (list(v) for v in zip(*pts, strict=True))
+            ax.errorbar(x, y, yerr=yerr, color=color, ls=ls, marker="o", capsize=2, label=e["label"])
+            bad = [(xi, yi) for xi, yi, c in zip(x, y, conv, strict=True) if not c]
+            if bad:
+                ax.plot(*zip(*bad, strict=True), ls="none", marker="o", ms=9, mfc="white", mec=color)
+        if has_trace:
+            pts = [(layer, r["traces"][0]["per_param"], r["traces"][0].get("per_param_se") or 0.0)
+                   for layer, r in zip(layers, reps, strict=True) if r.get("traces")]
+            if pts:
+                x, y, yerr = (list(v) for v in zip(*pts, strict=True))
+                axes[0, 2].errorbar(x, y, yerr=yerr, color=color, ls=ls, marker="s", capsize=2, label=e["label"])
+    titles = ["largest eigenvalue λ_max of the layer's block", "smallest eigenvalue λ_min of the layer's block",
+              "tr(H)/n of the layer's block"]
+    all_layers = [layer_of(r) for e in entries for r in e["reports"] if layer_of(r) is not None]
+    for ax, title in zip(axes[0], titles, strict=False):
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_xlim(min(all_layers) - 0.4, max(all_layers) + 0.4)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0, 0].set_ylabel("Hessian eigenvalue (nats/token)")
+    if has_trace:
+        axes[0, 2].set_ylabel("mean Hessian eigenvalue (nats/token)")
+    axes[0, 1].axhline(0.0, color="0.6", lw=0.8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    fig.suptitle("Hessian of the loss restricted to each layer's parameters (Lanczos; hollow: not converged); "
+                 f"N = {', '.join(f'{t:,}' for t in tokens)} tokens", fontsize=9)
+    return save(fig, plots_dir, name)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# comparison bars
+
+
+def bar_figure(groups: list[dict], measures: list[dict], title: str = ""):
+    """``groups``: [{"label", "arch"}] (one bar colour each); ``measures``: [{"name", "unit", "values":
+    [{"mean", "se", "n", "points": [...]}] aligned with groups}]. One panel per measure: bars (mean) with
+    error bars (s.e.), the individual seeds as dots, n under each bar."""
+    n = len(measures)
+    ncols = min(3, n)
+    nrows = (n + ncols - 1) // ncols
+    fig, axes = new_figure(3.9 * ncols, 3.6 * nrows, ncols=ncols, nrows=nrows)
+    flat = axes.reshape(-1)
+    x = np.arange(len(groups))
+    for ax, m in zip(flat, measures, strict=False):
+        for i, (g, v) in enumerate(zip(groups, m["values"], strict=True)):
+            if v is None or v.get("mean") is None:
+                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7, color="0.4")
+                continue
+            ax.bar(i, v["mean"], yerr=v.get("se"), color=arch_color(g["arch"]), capsize=4, alpha=0.85,
+                   edgecolor="k", lw=0.5)  # no error bar for a single run
+            pts = v.get("points") or []
+            if len(pts) > 1:
+                jitter = np.linspace(-0.15, 0.15, len(pts))
+                ax.plot(i + jitter, pts, ls="none", marker=".", color="k", ms=4)
+        ax.set_xticks(x, [f"{g['label']}\n(n={v['n'] if v else 0})" for g, v in zip(groups, m["values"],
+                                                                                  strict=True)], fontsize=8)
+        ax.set_title(m["name"], fontsize=9)
+        ax.set_ylabel(m.get("unit", ""))
+        ax.axhline(0.0, color="0.5", lw=0.6)
+        ax.grid(alpha=0.3, axis="y")
+    for ax in flat[n:]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+BARS = ("gap", "lambda_max", "trace_per_param", "forgetting", "plasticity", "value_entropy", "separability")
+TITLES = {"gap": "final validation loss - entropy floor", "val_loss": "final validation loss",
+          "lambda_max": "largest Hessian eigenvalue λ_max", "trace_per_param": "Hessian trace per parameter tr(H)/n",
+          "forgetting": "forgetting (source loss after - before)",
+          "plasticity": "plasticity (target loss before - after)",
+          "value_entropy": "value entropy, last layer", "separability": "value separability, last layer"}
+UNITS = {"gap": "nats/token", "val_loss": "nats/token", "lambda_max": "nats/token", "trace_per_param": "nats/token",
+         "forgetting": "nats/token", "plasticity": "nats/token", "value_entropy": "Rényi entropy (nats)",
+         "separability": "probe accuracy (CV)"}
+
+
+def _run_value(run: dict, metric: str) -> float | None:
+    if metric == "gap":
+        return None if run.get("val_loss") is None or run.get("val_floor") is None \
+            else run["val_loss"] - run["val_floor"]
+    return run.get(metric)
+
+
+def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
+    """Groups and bar measures of a compare.json: per architecture, mean and standard error (std / sqrt(n)) of
+    each metric over its runs, and the runs' own values."""
+    groups = [{"label": a["label"], "arch": a["arch"]} for a in report["archs"]]
+    has_floor = all(r.get("val_floor") is not None for r in report["runs"])
+    measures = []
+    for m in (BARS if has_floor else ("val_loss", *BARS[1:])):
+        values = []
+        for a in report["archs"]:
+            pts = [v for r in report["runs"] if r["label"] == a["label"] and (v := _run_value(r, m)) is not None]
+            if not pts:
+                values.append(None)
+                continue
+            se = float(np.std(pts, ddof=1) / np.sqrt(len(pts))) if len(pts) > 1 else None
+            values.append({"mean": float(np.mean(pts)), "se": se, "n": len(pts), "points": pts})
+        if any(v is not None for v in values):
+            measures.append({"key": m, "name": TITLES[m], "unit": UNITS[m], "values": values})
+    return groups, measures
+
+
+def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_correlations") -> list[Path]:
+    """One scatter per correlation of compare.json (e.g. forgetting against tr(H)/n), a point per run, with
+    Spearman's rho and its p-value in the title."""
+    pairs = [c for c in report.get("correlations", [])
+             if sum(1 for r in report["runs"] if r.get(c["x"]) is not None and r.get(c["y"]) is not None) >= 2]
+    if not pairs:
+        return []
+    fig, axes = new_figure(4.6 * len(pairs), 4.4, ncols=len(pairs))
+    seeds = sorted({r["seed"] for r in report["runs"]})
+    markers = "osD^v<>"
+    for ax, c in zip(axes[0], pairs, strict=True):
+        shown = set()
+        for r in report["runs"]:
+            if r.get(c["x"]) is None or r.get(c["y"]) is None:
+                continue
+            first = r["label"] not in shown
+            shown.add(r["label"])
+            ax.plot(r[c["x"]], r[c["y"]], ls="none", marker=markers[seeds.index(r["seed"]) % len(markers)], ms=7,
+                    color=arch_color(r["arch"]), mec="k", mew=0.5, label=r["label"] if first else None)
+        rho = "n/a" if c["rho"] is None else f"{c['rho']:+.2f}"
+        p = "" if c["p"] is None else f", p = {c['p']:.2g} ({c['p_method']})"
+        note = f"\n{c['note']}" if c.get("note") else ""
+        ax.set_title(f"Spearman ρ = {rho}{p}, n = {c['n']}{note}", fontsize=8)
+        ax.set_xlabel(f"{TITLES.get(c['x'], c['x'])} ({UNITS.get(c['x'], '')})", fontsize=8)
+        ax.set_ylabel(f"{TITLES.get(c['y'], c['y'])} ({UNITS.get(c['y'], '')})", fontsize=8)
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    for s_, m in zip(seeds, markers, strict=False):  # marker = seed
+        handles.append(Line2D([], [], ls="none", marker=m, color="0.5", mec="k", mew=0.5))
+        labels.append(f"seed {s_}")
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 6))
+    return save(fig, plots_dir, name)
+
+
+def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> list[Path]:
+    """The comparison bars (one panel per metric, one bar per architecture) and the correlation scatters."""
+    groups, measures = compare_measures(report)
+    if not measures:
+        return []
+    fig = bar_figure(groups, measures, f"{len(report['runs'])} runs: bars = mean over seeds, error bars = standard "
+                                       f"error (std/√n), dots = single runs")
+    return save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
+
+
+__all__ = ["BARS", "bar_figure", "compare_measures", "layer_of", "plot_compare", "plot_correlations",
+           "plot_forgetting", "plot_layer_eigenvalues"]

@@ -1,0 +1,217 @@
+"""Training curves from run directories (metrics.jsonl, meta.json, config.json); never recomputes.
+
+Several runs share one pair of axes: colour per architecture (:func:`cemtool.plots.style.arch_color`), line style
+per seed (per run, where runs share architecture and seed). The thin line is the training loss, the line with
+markers the validation loss, and the black dashed line the corpus's entropy floor (the exact mean -log p of the
+validation targets; no model can go below it). A second panel shows the validation gap above the floor on a log
+scale when a floor is known.
+
+Only JSON is read here (no torch import), so ``cemtool plot`` works on a run whose checkpoints were deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
+
+from cemtool.errors import CemtoolError
+from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.runs import read_json
+
+FLOOR_COLOR = "k"
+SEED_STYLES = ["-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3))]  # never "--": that is the floor's
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of metrics.jsonl (a line cut by a kill is skipped); [] if the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+@dataclass
+class RunCurves:
+    """What a training-curve figure needs from one run directory."""
+
+    path: Path
+    arch: str
+    seed: int
+    meta: dict
+    config: dict
+    train: list[dict] = field(default_factory=list)  # rows with step, tokens, train_loss
+    val: list[dict] = field(default_factory=list)  # rows with step, tokens, val_loss (val_floor)
+    label: str = ""
+
+    @property
+    def floor(self) -> float | None:
+        floors = [r["val_floor"] for r in self.val if r.get("val_floor") is not None]
+        return floors[-1] if floors else self.meta.get("val_floor")
+
+    @property
+    def final_val(self) -> float | None:
+        return self.val[-1]["val_loss"] if self.val else self.meta.get("val_loss")
+
+
+def is_run_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def read_run(path: str | Path) -> RunCurves:
+    """Read a run's metrics, meta and config (JSON only)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CemtoolError(f"run directory {p} does not exist")
+    if not is_run_dir(p):
+        raise CemtoolError(f"{p} is not a cemtool run (no config.json)")
+    config = read_json(p / "config.json", "config file")
+    meta = read_json(p / "meta.json", "run metadata") if (p / "meta.json").exists() else {}
+    if not isinstance(config, dict) or not isinstance(meta, dict):
+        raise CemtoolError(f"{p}: config.json and meta.json must hold JSON objects")
+    arch = meta.get("arch") or config.get("model", {}).get("arch", "?")
+    seed = meta.get("seed", config.get("seed", 0))
+    rows = read_metrics(p / "metrics.jsonl")
+    train = [r for r in rows if isinstance(r.get("train_loss"), (int, float))]
+    val = [r for r in rows if isinstance(r.get("val_loss"), (int, float))]
+    return RunCurves(p, str(arch), int(seed), meta, config, train, val)
+
+
+def label_runs(runs: list[RunCurves]) -> list[RunCurves]:
+    """``arch (seed s)``, or the directory name where two runs share architecture and seed."""
+    keys = [(r.arch, r.seed) for r in runs]
+    for r, k in zip(runs, keys, strict=True):
+        if not r.label:
+            r.label = f"{r.arch} (seed {r.seed})" if keys.count(k) == 1 else f"{r.path.name}"
+    return runs
+
+
+def line_styles(runs: list[RunCurves]) -> list:
+    """Line style per run: by seed; where two runs share architecture and seed (they differ in other settings),
+    by the run's place among the runs of its architecture instead."""
+    keys = [(r.arch, r.seed) for r in runs]
+    if len(set(keys)) == len(keys):
+        seeds = sorted({r.seed for r in runs})
+        return [SEED_STYLES[seeds.index(r.seed) % len(SEED_STYLES)] for r in runs]
+    styles = []
+    for i, r in enumerate(runs):
+        same = [j for j, q in enumerate(runs) if q.arch == r.arch]
+        styles.append(SEED_STYLES[same.index(i) % len(SEED_STYLES)])
+    return styles
+
+
+def distinguishable(runs: list[RunCurves]) -> bool:
+    """Whether colour (architecture) and line style tell every run apart on one pair of axes."""
+    archs = [r.arch for r in runs]
+    return len({(r.arch, r.seed) for r in runs}) == len(runs) or \
+        max(archs.count(a) for a in archs) <= len(SEED_STYLES)
+
+
+def _x(row: dict, axis: str) -> float:
+    return row.get(axis, row.get("step", 0)) if axis == "tokens" else row.get("step", 0)
+
+
+def _floors(runs: list[RunCurves]) -> list[float]:
+    out: list[float] = []
+    for r in runs:
+        f = r.floor
+        if f is not None and all(abs(f - g) > 1e-6 for g in out):
+            out.append(float(f))
+    return out
+
+
+def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
+    """The figure (not saved): loss curves on the left, gap above the floor (log) on the right if known."""
+    if not runs:
+        raise CemtoolError("no runs to plot")
+    label_runs(runs)
+    floors = _floors(runs)
+    has_gap = bool(floors) and any(r.val and r.floor is not None for r in runs)
+    rows = (len(runs) + 1 + 3) // 4  # legend rows below the axes
+    fig, axes = new_figure(11.0 if has_gap else 6.4, 4.2 + 0.25 * rows, ncols=2 if has_gap else 1)
+    ax = axes[0, 0]
+    styles = line_styles(runs)
+    for r, ls in zip(runs, styles, strict=True):
+        color = arch_color(r.arch)
+        if r.train:
+            ax.plot([_x(t, x_axis) for t in r.train], [t["train_loss"] for t in r.train], color=color, ls=ls,
+                    lw=0.9, alpha=0.45)
+        if r.val:
+            ax.plot([_x(v, x_axis) for v in r.val], [v["val_loss"] for v in r.val], color=color, ls=ls, lw=1.8,
+                    marker="o", ms=3.5, label=r.label)
+    for f in floors:
+        ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
+    ax.set_xlabel("tokens seen" if x_axis == "tokens" else "optimizer step")
+    ax.set_ylabel("loss (nats/token)")
+    if x_axis == "tokens":
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+    ax.set_title("training (thin) and validation (markers) loss", fontsize=9)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if floors:
+        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
+        labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    _zoom(ax, runs, floors)
+    if has_gap:
+        gx = axes[0, 1]
+        for r, ls in zip(runs, styles, strict=True):
+            if r.floor is None or not r.val:
+                continue
+            color = arch_color(r.arch)
+            pts = [(_x(v, x_axis), v["val_loss"] - r.floor) for v in r.val]
+            gx.plot(*zip(*pts, strict=True), color=color, ls=ls, lw=1.8, marker="o", ms=3.5, label=r.label)
+        gaps = [y for line in gx.get_lines() for y in line.get_ydata()]
+        if gaps and min(gaps) > 0:
+            gx.set_yscale("log")
+            plain = FuncFormatter(lambda v, _: f"{v:g}")
+            gx.yaxis.set_major_formatter(plain)
+            if max(gaps) / min(gaps) < 10:  # less than a decade: label minor ticks, 1.5 and 2.5 included
+                gx.yaxis.set_minor_locator(LogLocator(subs=(1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
+                gx.yaxis.set_minor_formatter(plain)
+        gx.set_xlabel(ax.get_xlabel())
+        if x_axis == "tokens":
+            gx.xaxis.set_major_formatter(EngFormatter(sep=""))
+        gx.set_ylabel("validation loss - floor (nats/token)")
+        gx.set_title("gap above the entropy floor", fontsize=9)
+        gx.grid(alpha=0.3, which="both")
+    return fig
+
+
+def _zoom(ax, runs: list[RunCurves], floors: list[float]) -> None:
+    """Start the y axis a little below the floor and leave the few highest training losses of the first steps
+    (about ln(vocabulary) at initialisation) above the top, so that the part near the floor is readable."""
+    vals = [v["val_loss"] for r in runs for v in r.val]
+    trains = [t["train_loss"] for r in runs for t in r.train]
+    if not vals and not trains:
+        return
+    lo = min(vals + trains + floors)
+    hi = max(vals + ([float(np.percentile(trains, 95))] if trains else []))
+    pad = 0.06 * max(hi - lo, 1e-3)
+    ax.set_ylim(lo - pad, hi + pad)
+
+
+def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, name: str = "training",
+                  x_axis: str = "tokens") -> list[Path]:
+    """``plots/<name>.png`` and ``.svg`` for one or several runs."""
+    curves = [r if isinstance(r, RunCurves) else read_run(r) for r in runs]
+    return save(training_figure(curves, x_axis), plots_dir, name)
+
+
+__all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "distinguishable", "is_run_dir", "label_runs", "line_styles",
+           "plot_training", "read_json", "read_metrics", "read_run", "training_figure"]
