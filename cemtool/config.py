@@ -117,8 +117,8 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from and how they are cut into windows."""
 
-    source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), 'ngram', 'pydoc', "
-                                 "or a path to a .txt file or a folder of .txt files")
+    source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), 'ngram', "
+                                 "'pydoc', or a path to a .txt file or a folder of .txt files")
     tokenizer: str = opt("auto", "auto = word for grammar, bpe for text", choices=("auto", "word", "byte", "bpe"))
     bpe_vocab_size: int = opt(2048, "vocabulary size of a locally trained BPE tokenizer", min=260, max=65535)
     seq_len: int = opt(64, "tokens per training window", min=2)
