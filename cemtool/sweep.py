@@ -180,8 +180,7 @@ def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, 
 
 def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
     from cemtool.analysis.hessian import evaluation_set
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
-    from cemtool.report import provenance, write_report
+    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
     from cemtool.runs import load_run
 
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
@@ -189,12 +188,7 @@ def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callba
     loaded = load_run(run_path, checkpoint, device=device)
     x, y = evaluation_set(loaded, tokens)
     rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)))
-    payload = {"provenance": provenance(loaded.run.path, seed=rep.options.seed, checkpoint=loaded.checkpoint.name,
-                                        step=loaded.step, analysis="sharpness", backend="cemtool",
-                                        arch=loaded.config.model.arch, tokens=rep.tokens, device=str(device),
-                                        seq_len=int(x.shape[1]), command="sweep"),
-               **rep.payload()}
-    write_report(loaded.run.reports, "sharpness", payload, rep.rows())
+    write_sharpness_report(loaded, rep, seq_len=int(x.shape[1]), device=str(device), command="sweep")
 
 
 def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:

@@ -443,3 +443,18 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 __all__ = ["Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D", "asam_sharpness",
            "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d", "measure_sharpness",
            "sam_sharpness", "worst_case_sharpness"]
+
+
+def write_sharpness_report(loaded, rep: SharpnessReport, *, name: str = "sharpness", seq_len: int,
+                           device: str, **extra) -> tuple[dict, dict]:
+    """Write ``reports/<name>.json`` and ``.csv`` of a measured run with its provenance (run, checkpoint, step,
+    seed, architecture, token count, device); ``extra`` adds provenance fields (e.g. command="sweep").
+    Returns (payload, paths). The one place a sharpness report is assembled: command, sweep and demo call it."""
+    from cemtool.report import provenance, write_report
+
+    payload = {"provenance": provenance(loaded.run.path, seed=rep.options.seed, checkpoint=loaded.checkpoint.name,
+                                        step=loaded.step, analysis="sharpness", backend="cemtool",
+                                        arch=loaded.config.model.arch, tokens=rep.tokens, device=device,
+                                        seq_len=seq_len, **extra),
+               **rep.payload()}
+    return payload, write_report(loaded.run.reports, name, payload, rep.rows())

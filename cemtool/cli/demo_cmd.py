@@ -106,8 +106,7 @@ def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     """``cemtool sharpness RUN --params layer:N`` at the given settings -> reports/sharpness-layer-N.json (an
     existing report is kept, as the study keeps its own)."""
     from cemtool.analysis.hessian import evaluation_set
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
-    from cemtool.report import provenance, write_report
+    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
     from cemtool.runs import load_run
     from cemtool.train import pick_device
 
@@ -121,12 +120,8 @@ def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     loaded = load_run(run, "final", device=dev)
     x, y = evaluation_set(loaded, tokens)
     rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(params=f"layer:{layer}", device=str(dev), **opts))
-    payload = {"provenance": provenance(loaded.run.path, seed=rep.options.seed, checkpoint=loaded.checkpoint.name,
-                                        step=loaded.step, analysis="sharpness", backend="cemtool",
-                                        arch=loaded.config.model.arch, tokens=rep.tokens, device=str(dev),
-                                        seq_len=int(x.shape[1]), command="demo"),
-               **rep.payload()}
-    return write_report(loaded.run.reports, name, payload, rep.rows())["json"]
+    return write_sharpness_report(loaded, rep, name=name, seq_len=int(x.shape[1]), device=str(dev),
+                                  command="demo")[1]["json"]
 
 
 def layers_step(out: Path, manifest: dict, options: dict, device: str, quiet: bool) -> list[Path]:

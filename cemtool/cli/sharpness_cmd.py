@@ -152,8 +152,7 @@ def sharpness(
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
-    from cemtool.report import provenance, write_report
+    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
     from cemtool.runs import load_run
     from cemtool.train import pick_device
 
@@ -196,11 +195,7 @@ def sharpness(
     with StageBar(quiet) as bar:
         rep = measure_sharpness(loaded.model, x, y, opts, progress=bar)
     report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
-    payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
-                                        analysis="sharpness", backend="cemtool", arch=arch, tokens=rep.tokens,
-                                        device=str(dev), seq_len=seq),
-               **rep.payload()}
-    paths = write_report(loaded.run.reports, report_name, payload, rep.rows())
+    payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
     figures = []
     if plot:
         from cemtool.plots.sharpness import plot_sharpness

@@ -46,6 +46,7 @@ Hook points of block l, besides resid_pre/resid_mid/resid_post and the attention
 from __future__ import annotations
 
 import math
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass, field
 
 import torch
@@ -128,7 +129,7 @@ class StaticRouter(nn.Module):
         return kv.split(attn.head_dim, dim=-1)  # (B, R, T, d_h) each
 
 
-class HiddenRouter(nn.Module):
+class HiddenRouter(nn.Module, metaclass=ABCMeta):
     """Per-head mix of the normalised block inputs h_0..h_l, then that head's K/V projection (softmax, dynamic)."""
 
     def __init__(self, cfg: ModelConfig, i: int):
@@ -137,9 +138,9 @@ class HiddenRouter(nn.Module):
         self.norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if i > 0 else None
         self.weights, self.v_own = HookPoint(), HookPoint()
 
+    @abstractmethod
     def probs(self, x: torch.Tensor) -> torch.Tensor:
-        """The mix over layers: (H, l+1) or per token (B, T, H, l+1); rows sum to 1."""
-        raise NotImplementedError
+        """The mix over layers: (H, l+1) or per token (B, T, H, l+1); rows sum to 1 (each subclass defines it)."""
 
     def forward(self, attn: Attention, a: torch.Tensor, x: torch.Tensor,
                 memory: Memory) -> tuple[torch.Tensor, torch.Tensor]:
