@@ -134,8 +134,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=5, help="steps per contender per round")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=4, help="steps per contender per round")
     args = ap.parse_args()
 
     contenders = make_contenders(args)
