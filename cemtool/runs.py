@@ -27,12 +27,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from cemtool.config import SCHEMA_VERSION, RunConfig, config_from_run_dict, to_dict
 from cemtool.errors import CemtoolError
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled, so that reading reports (cemtool plot) is fast
+    import torch
 
 STATUSES = ("running", "completed", "failed", "interrupted")
 
@@ -85,6 +86,7 @@ def read_json(path: Path, what: str) -> Any:
 
 def versions() -> dict[str, str]:
     import numpy
+    import torch
 
     import cemtool
 
@@ -279,6 +281,8 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors in a nested structure by {'__tensor__': key}; return the JSON-able skeleton."""
+    import torch
+
     if isinstance(obj, torch.Tensor):
         key = prefix
         tensors[key] = obj.detach().contiguous().cpu()
@@ -312,6 +316,7 @@ def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
                     optimizer: torch.optim.Optimizer | None = None, state: dict | None = None) -> Path:
     """Write checkpoints/<name>.safetensors atomically: weights ('model.*'), optimizer tensors ('optim.*'),
     the torch RNG state, and a JSON header (step, aliases, optimizer skeleton, training state)."""
+    import torch
     from safetensors.torch import save
 
     weights, aliases = model_tensors(model)

@@ -280,3 +280,29 @@ def test_corrupt_report_is_one_line_and_the_rest_is_drawn(study, tmp_path):
     assert len(err) == 1 and "collapse.json does not have the shape" in err[0]
     assert (run / "plots" / "training.png").exists()
     assert "collapse.json does not have the shape" in (run / "report.md").read_text()  # under Notes
+
+
+def test_collapse_figures_tell_seeds_of_one_arch_apart():
+    from cemtool.plots.collapse import _style
+
+    runs = [{"arch": "baseline", "label": "baseline-s0"}, {"arch": "baseline", "label": "baseline-s1"},
+            {"arch": "tmm", "label": "tmm-s0"}]
+    styles = [_style(runs, k) for k in range(3)]
+    assert (styles[0]["color"], styles[0]["dash"]) != (styles[1]["color"], styles[1]["dash"])
+    assert styles[0]["marker"] != styles[1]["marker"]
+    assert styles[0]["color"] != styles[2]["color"]
+
+
+def test_plot_does_not_import_torch(study, tmp_path):
+    """cemtool plot works from JSON reports alone: drawing a run's figures must not pay torch's import (seconds)."""
+    import subprocess
+    import sys
+
+    _, base, _ = study
+    run = tmp_path / "base"
+    shutil.copytree(base, run)
+    code = ("import sys; from typer.testing import CliRunner; from cemtool.cli.main import app; "
+            f"r = CliRunner().invoke(app, ['plot', {str(run)!r}, '-q']); "
+            "print(r.exit_code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-2:] == ["0", "False"], out

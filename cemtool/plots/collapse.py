@@ -12,15 +12,17 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.training import SEED_STYLES
 
 _MARKERS = "osD^v<>ph*"
 
 
 def _style(runs: list[dict], k: int) -> dict:
-    """Colour by architecture; runs of the same architecture get different markers."""
+    """Colour by architecture; runs of the same architecture get different markers and line dashes."""
     arch = runs[k]["arch"]
-    same = [j for j in range(len(runs)) if runs[j]["arch"] == arch]
-    return {"color": arch_color(arch), "marker": _MARKERS[same.index(k) % len(_MARKERS)], "label": runs[k]["label"]}
+    same = [j for j in range(len(runs)) if runs[j]["arch"] == arch].index(k)
+    return {"color": arch_color(arch), "marker": _MARKERS[same % len(_MARKERS)],
+            "dash": SEED_STYLES[same % len(SEED_STYLES)], "label": runs[k]["label"]}
 
 
 def _series(run: dict, get) -> tuple[list[int], list[float], list[float]]:
@@ -125,8 +127,8 @@ def plot_attention(report: dict, plots_dir: str | Path, name: str = "collapse") 
             for row, field in ((0, "entropy_norm"), (1, "max_prob")):
                 c = np.array([[np.nan if v is None else v for v in h] for h in a["curves"][field]], dtype=float)
                 ok = np.isfinite(c).any(axis=0)  # (T,) entropy_norm is undefined at context 1
-                axes[row, i].plot(ctx[ok], np.nanmean(c[:, ok], axis=0), color=st["color"], label=st["label"],
-                                  lw=1.2)
+                axes[row, i].plot(ctx[ok], np.nanmean(c[:, ok], axis=0), color=st["color"], ls=st["dash"],
+                                  label=st["label"], lw=1.2)
             axes[0, i].set_title(f"layer {e['layer']}", fontsize=9)
     for i in range(n_layer):
         axes[0, i].set_ylabel("entropy / log(context)")
@@ -134,6 +136,7 @@ def plot_attention(report: dict, plots_dir: str | Path, name: str = "collapse") 
         axes[1, i].set_xlabel("context length t + 1")
         for row in (0, 1):
             axes[row, i].set_xscale("log", base=2)
+            axes[row, i].set_xlim(left=1)  # both rows on the same axis (entropy / log(context) starts at 2)
             axes[row, i].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=7)
     return save(fig, plots_dir, f"{name}_attention")

@@ -35,12 +35,14 @@ def plot_spectrum(report: dict, plots_dir: str | Path, name: str = "sharpness_sp
             ax.axvline(v, color="tab:red", lw=0.8, ls="-" if eig["top_converged"][i] else ":",
                        label="top eigenvalues (Lanczos)" if i == 0 else None)
         for i, v in enumerate(eig.get("bottom", [])):
-            ax.axvline(v, color="tab:blue", lw=0.8, ls="-" if eig["bottom_converged"][i] else ":",
+            ax.axvline(v, color="black", lw=0.8, ls="-" if eig["bottom_converged"][i] else ":",
                        label="bottom eigenvalues (Lanczos)" if i == 0 else None)
     ax.set_xlabel("eigenvalue of the Hessian")
     ax.set_ylabel("density (fraction of eigenvalues per unit)")
     ax.set_title(_title(report, "Hessian spectrum"), fontsize=9)
-    ax.legend(fontsize=7, loc="upper center")
+    if eig and not all(eig.get("top_converged", []) + eig.get("bottom_converged", [])):
+        ax.plot([], [], color="grey", lw=0.8, ls=":", label="dotted: Lanczos not converged")
+    fig.legend(fontsize=7, loc="outside lower center", ncol=2, frameon=False)  # below the axes: never on a curve
     return save(fig, plots_dir, name)
 
 
