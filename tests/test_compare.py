@@ -78,7 +78,7 @@ def test_welch_interval_covers_the_true_difference():
 
 
 def fake_run(root: Path, name: str, arch: str, seed: int, val_loss: float, sharp=None, forget=None, target="grammar-b",
-             extra=()) -> Path:
+             extra=(), collapse=None) -> Path:
     """A run directory holding only what training and the analyses leave as records (no checkpoints)."""
     d = root / name
     (d / "reports").mkdir(parents=True)
@@ -91,6 +91,11 @@ def fake_run(root: Path, name: str, arch: str, seed: int, val_loss: float, sharp
         (d / "reports" / "sharpness.json").write_text(json.dumps(
             {"tokens": 512, "eigen": {"top": [lmax, lmax / 2], "bottom": [lmin], "ritz_values": [lmin, lmax]},
              "traces": [{"method": "xtrace", "per_param": tr, "per_param_se": tr / 10}]}))
+    if collapse is not None:  # [(value entropy, value probe accuracy) per layer]
+        summary = [{"layer": i, "v_entropy": h, "probe_v": acc} for i, (h, acc) in enumerate(collapse)]
+        (d / "reports" / "collapse.json").write_text(json.dumps({"runs": [{"summary": summary, "collapse": {
+            "layers": [{"layer": i, "probe": {"values": {"accuracy": acc, "chance": 0.25}}}
+                       for i, (_, acc) in enumerate(collapse)]}}]}))
     if forget is not None:
         ft = root / f"{name}-ft-{target}"
         (ft / "reports").mkdir(parents=True)
@@ -159,6 +164,39 @@ def test_several_targets_need_a_choice(tmp_path):
     assert res.exit_code == 1 and "several targets (grammar-b, pydoc)" in res.output
     p = compare([tmp_path], target="pydoc")
     assert [r["forgetting"] for r in p["runs"]] == [None, 0.3]
+
+
+def test_per_layer_collapse_measures(tmp_path):
+    """Per-layer value entropy and separability: mean / std over seeds per layer and Welch intervals per layer."""
+    ent = {"baseline": [[2.0, 1.0, 0.8], [2.1, 1.2, 0.9], [1.9, 1.1, 0.7]],
+           "lime": [[2.0, 1.8, 1.9], [2.2, 1.9, 2.0], [2.1, 1.7, 2.1]]}
+    for arch, seed in itertools.product(ent, range(3)):
+        fake_run(tmp_path, f"{arch}-s{seed}", arch, seed, 5.0,
+                 collapse=[(h, 0.9 + 0.01 * seed) for h in ent[arch][seed]])
+    p = compare([tmp_path])
+    lime = next(a for a in p["archs"] if a["label"] == "lime")
+    assert [e["layer"] for e in lime["layers"]] == [0, 1, 2]
+    for layer in range(3):
+        col = [ent["lime"][s][layer] for s in range(3)]
+        assert lime["layers"][layer]["value_entropy"]["mean"] == pytest.approx(np.mean(col))
+        assert lime["layers"][layer]["value_entropy"]["std"] == pytest.approx(np.std(col, ddof=1))
+        assert lime["layers"][layer]["separability"]["mean"] == pytest.approx(0.91)
+    assert lime["value_entropy"]["mean"] == pytest.approx(np.mean([1.9, 2.0, 2.1]))  # the last layer
+    rows = {(q["metric"], q["layer"]): q for q in p["pairwise_layers"]}
+    assert len(rows) == 6 and all((q["a"], q["b"]) == ("baseline", "lime") for q in rows.values())
+    for layer in range(3):
+        a = [ent["baseline"][s][layer] for s in range(3)]
+        b = [ent["lime"][s][layer] for s in range(3)]
+        assert rows[("value_entropy", layer)] == {"metric": "value_entropy", "layer": layer, "a": "baseline",
+                                                  "b": "lime", **welch(a, b)}
+    assert rows[("value_entropy", 2)]["hi"] < 0 < rows[("value_entropy", 0)]["hi"]
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert "H(values) L2" in res.stdout and "per layer" in res.stdout
+    md = (tmp_path / "c" / "compare.md").read_text()
+    assert "## Per layer" in md and "| value_entropy | 2 | baseline | lime |" in md
+    csv = (tmp_path / "c" / "compare_layers.csv").read_text().splitlines()
+    assert len(csv) == 7 and csv[0].startswith("arch,layer,value_entropy_mean")
 
 
 # ---------------------------------------------------------------------- a real tiny study, checkpoints deleted

@@ -136,6 +136,27 @@ def test_compare_bars_are_mean_and_standard_error():
     assert "plasticity" not in by  # no run has it
 
 
+def test_compare_layers_are_mean_and_standard_error(tmp_path):
+    from cemtool.plots.compare import layer_measures, plot_compare_layers
+
+    ent = {0: [2.0, 1.0], 1: [2.2, 1.4], 2: [2.1, 1.3]}
+    runs = [{"label": "a", "arch": "baseline", "seed": s, "layers": [
+        {"layer": i, "value_entropy": h, "separability": None} for i, h in enumerate(ent[s])]} for s in ent]
+    runs.append({"label": "b", "arch": "lime", "seed": 0, "layers": [{"layer": 0, "value_entropy": 2.5,
+                                                                      "separability": 0.9}]})
+    report = {"archs": [{"label": "a", "arch": "baseline"}, {"label": "b", "arch": "lime"}], "runs": runs}
+    m = layer_measures(report)
+    a = m["value_entropy"][0]
+    assert a["layers"] == [0, 1] and a["n"] == [3, 3]
+    assert np.allclose(a["mean"], [2.1, 1.2 + 0.1 / 3])
+    assert np.allclose(a["se"], [np.std([2.0, 2.2, 2.1], ddof=1) / math.sqrt(3),
+                                 np.std([1.0, 1.4, 1.3], ddof=1) / math.sqrt(3)])
+    assert [r["label"] for r in m["separability"]] == ["b"]  # only lime has it
+    paths = plot_compare_layers(report, tmp_path)
+    assert [p.name for p in paths] == ["compare_layers.png", "compare_layers.svg"]
+    assert paths[0].read_bytes()[:8] == PNG_MAGIC
+
+
 def test_captions_and_eval_table(study):
     assert "entropy floor" in caption(Path("training.png"))
     assert "LIMe router" in caption(Path("collapse_compare_routing_lime.png"))

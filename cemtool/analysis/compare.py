@@ -16,7 +16,7 @@ Per run, what each source provides (absent -> null, and the run is listed under 
   ``trace_per_param`` = tr(H)/n (n = parameters; the first trace estimate, with its standard error), and the
   number of evaluation tokens they used;
 - ``reports/collapse.json``: the last layer's value entropy (Rényi, ``v_entropy``) and value separability
-  (probe accuracy from the values, ``probe_v``, beside chance);
+  (probe accuracy from the values, ``probe_v``, beside chance), and both for every layer (``layers``);
 - a fine-tune's ``reports/forgetting.json``: ``forgetting`` and ``plasticity`` (one target; ``target`` chooses when
   the runs were fine-tuned on several).
 
@@ -32,7 +32,9 @@ perfect rank order however few the runs; scipy's beyond]; it needs at least 3 ru
 Pairwise differences [decision: Welch]: for every pair of groups (a, b) and the metrics in ``PAIRWISE``, the
 difference of means mean_a - mean_b with a Welch t confidence interval (unequal variances,
 Welch-Satterthwaite degrees of freedom; ``scipy.stats.ttest_ind(equal_var=False)``) and the test's p-value; it
-needs two runs in each group. Seeds are not paired (different architectures share no initialisation).
+needs two runs in each group. Seeds are not paired (different architectures share no initialisation). The
+same per layer for the collapse measures in ``LAYER_METRICS`` (``pairwise_layers``); no correction for multiple
+comparisons is applied (read a table of many intervals accordingly).
 
 compare.json schema (``reports/compare.json`` under the output folder)::
 
@@ -43,12 +45,14 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                 "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
                 "trace_per_param", "trace_per_param_se", "sharpness_tokens", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
-                "forgetting_run",
+                "forgetting_run", "layers": [{"layer", "value_entropy", "separability"}],
                 "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null}}],
       "archs": [{"label", "arch", "n", "seeds": [int], "runs": [str],
-                 "<metric>": {"mean", "std", "n"} | null, ...}],
+                 "<metric>": {"mean", "std", "n"} | null, ...,
+                 "layers": [{"layer", "value_entropy": {"mean", "std", "n"} | null, "separability": ...}]}],
       "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note"}],
       "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
+      "pairwise_layers": [{"metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
       "missing": {"sharpness": [run], "collapse": [run], "forgetting": [run]},
       "notes": [str]
     }
@@ -72,6 +76,7 @@ METRICS = {"val_loss": "val loss", "params": "params", "flops_per_token": "FLOPs
            "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "forgetting": "forgetting",
            "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
 PAIRWISE = ("val_loss", "forgetting", "plasticity", "trace_per_param", "lambda_max")
+LAYER_METRICS = {"value_entropy": "H(values)", "separability": "probe(values)"}  # per layer, from collapse.json
 CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
 REPORTS = ("sharpness", "collapse", "forgetting")
 
@@ -166,7 +171,7 @@ def sharpness_fields(report: dict) -> dict:
 
 
 def collapse_fields(report: dict) -> dict:
-    """The last layer's value entropy and value separability of a collapse report."""
+    """The last layer's value entropy and value separability of a collapse report, and both for every layer."""
     run = (report.get("runs") or [{}])[0]
     rows = run.get("summary") or []
     if not rows:
@@ -176,7 +181,9 @@ def collapse_fields(report: dict) -> dict:
     probe = (layer.get("probe") or {}).get("values")
     return {"value_entropy": last.get("v_entropy"), "separability": last.get("probe_v"),
             "separability_chance": probe.get("chance") if isinstance(probe, dict) else None,
-            "collapse_layer": last["layer"]}
+            "collapse_layer": last["layer"],
+            "layers": [{"layer": r["layer"], "value_entropy": r.get("v_entropy"), "separability": r.get("probe_v")}
+                       for r in rows]}
 
 
 def _meta(path: Path) -> dict:
@@ -309,6 +316,7 @@ def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[di
                        forgetting_run=str(f[0].parent.parent))
         for k in METRICS:
             rec.setdefault(k, None)
+        rec.setdefault("layers", [])
         rec["reports"] = reports
         records.append(rec)
     if not records:
@@ -380,6 +388,8 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
                "runs": [r["run"] for r in rs]}
         for m in METRICS:
             row[m] = summary([r[m] for r in rs if r[m] is not None])
+        row["layers"] = [{"layer": layer, **{m: summary(_layer_values(rs, layer, m)) for m in LAYER_METRICS}}
+                         for layer in _layer_ids(rs)]
         archs.append(row)
     correlations = []
     for x, y in CORRELATE:
@@ -392,11 +402,27 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             vb = [r[m] for r in records if r["label"] == b and r[m] is not None]
             if va and vb:
                 pairwise.append({"metric": m, "a": a, "b": b, **welch(va, vb, level)})
+    pairwise_layers = []
+    for m in LAYER_METRICS:
+        for layer in _layer_ids(records):
+            for a, b in itertools.combinations(labels, 2):
+                va = _layer_values([r for r in records if r["label"] == a], layer, m)
+                vb = _layer_values([r for r in records if r["label"] == b], layer, m)
+                if va and vb:
+                    pairwise_layers.append({"metric": m, "layer": layer, "a": a, "b": b, **welch(va, vb, level)})
     targets = {r["forgetting_target"] for r in records if r.get("forgetting_target")}
     return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
             "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
             "metrics": METRICS, "runs": records, "archs": archs, "correlations": correlations,
-            "pairwise": pairwise, "missing": missing, "notes": notes}
+            "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "notes": notes}
+
+
+def _layer_ids(records: list[dict]) -> list[int]:
+    return sorted({e["layer"] for r in records for e in r.get("layers") or []})
+
+
+def _layer_values(records: list[dict], layer: int, metric: str) -> list[float]:
+    return [e[metric] for r in records for e in r.get("layers") or [] if e["layer"] == layer and e[metric] is not None]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -450,7 +476,33 @@ def flat_arch_rows(payload: dict) -> list[dict]:
 
 
 def run_rows(payload: dict) -> list[dict]:
-    return [{k: v for k, v in r.items() if k != "reports"} for r in payload["runs"]]
+    return [{k: v for k, v in r.items() if k not in ("reports", "layers")} for r in payload["runs"]]
+
+
+def layer_table(payload: dict) -> tuple[list[str], list[list[str]]]:
+    """One row per architecture, one column per (collapse measure, layer): mean ± std over seeds."""
+    layers = sorted({e["layer"] for a in payload["archs"] for e in a.get("layers") or []})
+    cols = ["arch", *[f"{label} L{layer}" for m, label in LAYER_METRICS.items() for layer in layers]]
+    rows = []
+    for a in payload["archs"]:
+        by = {e["layer"]: e for e in a.get("layers") or []}
+        if by:
+            rows.append([a["label"], *[cell(by[layer][m]) if layer in by else "" for m in LAYER_METRICS
+                                       for layer in layers]])
+    return cols, rows
+
+
+def flat_layer_rows(payload: dict) -> list[dict]:
+    """compare_layers.csv: per architecture and layer, mean / std / n of the per-layer collapse measures."""
+    out = []
+    for a in payload["archs"]:
+        for e in a.get("layers") or []:
+            row = {"arch": a["label"], "layer": e["layer"]}
+            for m in LAYER_METRICS:
+                s = e[m] or {}
+                row.update({f"{m}_mean": s.get("mean"), f"{m}_std": s.get("std"), f"{m}_n": s.get("n", 0)})
+            out.append(row)
+    return out
 
 
 def markdown(payload: dict) -> str:
@@ -464,6 +516,15 @@ def markdown(payload: dict) -> str:
         md += [f"## Pairwise differences (a - b, Welch t {payload['level']:.0%} intervals)", "",
                markdown_table([{k: p[k] for k in ("metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b")}
                                for p in payload["pairwise"]])]
+    layer_cols, layer_rows = layer_table(payload)
+    if layer_rows:
+        md += ["## Per layer (collapse report; mean ± std over seeds)", "",
+               markdown_table([dict(zip(layer_cols, r, strict=True)) for r in layer_rows], layer_cols)]
+    if payload.get("pairwise_layers"):
+        md += [f"## Per-layer differences (a - b, Welch t {payload['level']:.0%} intervals, no multiple-comparison "
+               f"correction)", "",
+               markdown_table([{k: p[k] for k in ("metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "n_a",
+                                                  "n_b")} for p in payload["pairwise_layers"]])]
     miss = [f"- {name}: {len(runs)} run(s) without it" for name, runs in payload["missing"].items() if runs]
     if miss or payload["notes"]:
         md += ["## Missing", "", *miss, *[f"- {n}" for n in payload["notes"]], ""]
@@ -471,16 +532,21 @@ def markdown(payload: dict) -> str:
 
 
 def write_compare(payload: dict, out: str | Path) -> dict[str, Path]:
-    """Write <out>/compare.csv (per architecture), compare_runs.csv (per run), compare.md and
-    <out>/reports/compare.json (+ .csv of the pairwise differences)."""
+    """Write <out>/compare.csv (per architecture), compare_runs.csv (per run), compare_layers.csv (per architecture
+    and layer, when collapse reports exist), compare.md and <out>/reports/compare.json (+ .csv of the pairwise
+    differences)."""
     out = Path(out)
     paths = {"csv": out / "compare.csv", "runs_csv": out / "compare_runs.csv", "md": out / "compare.md"}
     atomic_write_text(paths["csv"], csv_text(flat_arch_rows(payload)))
     atomic_write_text(paths["runs_csv"], csv_text(run_rows(payload)))
+    layer_rows = flat_layer_rows(payload)
+    if layer_rows:
+        paths["layers_csv"] = out / "compare_layers.csv"
+        atomic_write_text(paths["layers_csv"], csv_text(layer_rows))
     atomic_write_text(paths["md"], markdown(payload))
     paths["json"] = write_report(out / "reports", "compare", payload, payload["pairwise"] or None)["json"]
     return paths
 
 
-__all__ = ["METRICS", "PAIRWISE", "arch_table", "collect", "compare", "run_compute", "spearman", "welch",
-           "write_compare"]
+__all__ = ["LAYER_METRICS", "METRICS", "PAIRWISE", "arch_table", "collect", "compare", "layer_table", "run_compute",
+           "spearman", "welch", "write_compare"]

@@ -19,11 +19,17 @@ def _num(v) -> str:
 
 
 def print_compare(payload: dict) -> None:
-    from cemtool.analysis.compare import METRICS, arch_table
+    from cemtool.analysis.compare import METRICS, arch_table, layer_table
 
     cols, rows = arch_table(payload, transpose=True)
     target = f"; forgetting on {payload['target']}" if payload["target"] else ""
     console.table(f"comparison of {len(payload['runs'])} runs (mean ± std over seeds{target})", cols, rows)
+    cols, rows = layer_table(payload)
+    if rows:  # one row per measure and layer, one column per architecture (fits a terminal)
+        t_cols = ["", *[r[0] for r in rows]]
+        t_rows = [[c, *[r[j] for r in rows]] for j, c in enumerate(cols) if j > 0]
+        console.table("per layer, from the collapse reports (mean ± std over seeds; per-layer differences with "
+                      "intervals in compare.md)", t_cols, t_rows)
     corr = [[f"{METRICS[c['x']]} vs {METRICS[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
              str(c["n"]), c["note"] or ""] for c in payload["correlations"]]
     console.table("Spearman rank correlation across runs", ["pair", "rho", "p", "p from", "n", "note"], corr)
@@ -56,8 +62,9 @@ def compare(
     json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
 ) -> None:
     """Compare architectures from their reports alone (no checkpoints): val loss, parameters, FLOPs/token,
-    λ_max, λ_min, tr(H)/n, forgetting, plasticity, last-layer value entropy and separability (mean ± std over
-    seeds); Spearman correlations of sharpness with forgetting; pairwise differences with Welch intervals."""
+    λ_max, λ_min, tr(H)/n, forgetting, plasticity, value entropy and separability of the last layer and of
+    every layer (mean ± std over seeds); Spearman correlations of sharpness with forgetting; pairwise differences
+    with Welch intervals."""
     from cemtool.analysis.compare import compare as compare_runs
     from cemtool.analysis.compare import write_compare
 
@@ -69,4 +76,5 @@ def compare(
         console.print_json(payload)
         return
     print_compare(payload)
-    console.result(f"wrote {written['csv']}, {written['runs_csv']}, {written['md']} and {written['json']}")
+    layers = f", {written['layers_csv']}" if "layers_csv" in written else ""
+    console.result(f"wrote {written['csv']}, {written['runs_csv']}{layers}, {written['md']} and {written['json']}")

@@ -246,15 +246,72 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
     return save(fig, plots_dir, name)
 
 
+LAYER_TITLES = {"value_entropy": ("value entropy per layer", "Rényi entropy (nats)"),
+                "separability": ("value separability per layer", "probe accuracy (CV)")}
+
+
+def layer_measures(report: dict) -> dict[str, list[dict]]:
+    """Per collapse measure, per architecture: the layers, the mean and standard error over runs at each layer
+    (from the runs' ``layers`` of a compare.json)."""
+    out: dict[str, list[dict]] = {}
+    for m in LAYER_TITLES:
+        rows = []
+        for a in report["archs"]:
+            by_layer: dict[int, list[float]] = {}
+            for r in report["runs"]:
+                if r["label"] != a["label"]:
+                    continue
+                for e in r.get("layers") or []:
+                    if e.get(m) is not None:
+                        by_layer.setdefault(e["layer"], []).append(e[m])
+            if by_layer:
+                layers = sorted(by_layer)
+                pts = [by_layer[k] for k in layers]
+                rows.append({"label": a["label"], "arch": a["arch"], "layers": layers,
+                             "mean": [float(np.mean(p)) for p in pts],
+                             "se": [float(np.std(p, ddof=1) / np.sqrt(len(p))) if len(p) > 1 else 0.0 for p in pts],
+                             "n": [len(p) for p in pts]})
+        if rows:
+            out[m] = rows
+    return out
+
+
+def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compare_layers") -> list[Path]:
+    """Value entropy and separability against depth: one line per architecture, mean over seeds with standard
+    error bars (the collapse reports' per-layer numbers, as in compare.md's per-layer table)."""
+    measures = layer_measures(report)
+    if not measures:
+        return []
+    fig, axes = new_figure(5.0 * len(measures), 4.2, ncols=len(measures))
+    for ax, (m, rows) in zip(axes[0], measures.items(), strict=True):
+        for k, row in enumerate(rows):
+            shift = (k - (len(rows) - 1) / 2) * 0.04  # small offsets so that error bars do not hide each other
+            ax.errorbar(np.array(row["layers"]) + shift, row["mean"], yerr=row["se"], color=arch_color(row["arch"]),
+                        marker="o", ms=4, capsize=3, label=f"{row['label']} (n={max(row['n'])})")
+        title, unit = LAYER_TITLES[m]
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(unit)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 6))
+    fig.suptitle("mean over seeds, error bars = standard error (std/√n)", fontsize=9)
+    return save(fig, plots_dir, name)
+
+
 def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> list[Path]:
-    """The comparison bars (one panel per metric, one bar per architecture) and the correlation scatters."""
+    """The comparison bars (one panel per metric, one bar per architecture), the correlation scatters and the
+    per-layer collapse measures."""
     groups, measures = compare_measures(report)
     if not measures:
         return []
     fig = bar_figure(groups, measures, f"{len(report['runs'])} runs: bars = mean over seeds, error bars = standard "
                                        f"error (std/√n), dots = single runs")
-    return save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
+    return (save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
+            + plot_compare_layers(report, plots_dir, f"{name}_layers"))
 
 
-__all__ = ["BARS", "bar_figure", "compare_measures", "layer_of", "plot_compare", "plot_correlations",
+__all__ = ["BARS", "bar_figure", "compare_measures", "layer_measures", "layer_of", "plot_compare",
+           "plot_compare_layers", "plot_correlations",
            "plot_forgetting", "plot_layer_eigenvalues"]

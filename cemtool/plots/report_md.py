@@ -67,6 +67,8 @@ CAPTIONS = {
     "compare_correlations": "each run's forgetting against its curvature (tr(H)/n, λ_max); colour: architecture, "
                             "marker: seed; Spearman's rank correlation in the title",
     "compare": "one bar per architecture: mean over seeds with standard-error bars; dots: the individual seeds",
+    "compare_layers": "value entropy and value separability against depth, one line per architecture: mean over "
+                      "seeds with standard-error bars (from the runs' collapse reports)",
     "saturation_sweep": "final validation loss against head size at a fixed budget H d_h, one line per sequence "
                         "length (error bars: s.e. over seeds; dashed: floor)",
 }
@@ -267,12 +269,17 @@ def pyhessian_section(report: dict) -> str:
 
 def compare_section(report: dict) -> str:
     """The comparison table (mean ± std over seeds), Spearman correlations and pairwise Welch intervals."""
-    from cemtool.analysis.compare import METRICS, arch_table
+    from cemtool.analysis.compare import METRICS, arch_table, layer_table
 
     cols, rows = arch_table(report, transpose=True)
     out = [f"{len(report['runs'])} runs; mean ± std over seeds"
            + (f"; forgetting on `{report['target']}`" if report.get("target") else "") + ".\n",
            markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
+    cols, rows = layer_table(report)
+    if rows:
+        out.append("Per layer, from the collapse reports (mean ± std over seeds; per-layer differences with "
+                   "intervals in `compare.md`):\n\n" + markdown_table([dict(zip(cols, r, strict=True)) for r in rows],
+                                                                       cols))
     corr = [{"pair": f"{METRICS.get(c['x'], c['x'])} vs {METRICS.get(c['y'], c['y'])}", "Spearman rho": c["rho"],
              "p": c["p"], "p from": c["p_method"] or "", "n": c["n"], "note": c["note"] or ""}
             for c in report.get("correlations", [])]
