@@ -77,3 +77,53 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None, digits: i
     for r in rows:
         lines.append("| " + " | ".join(fmt(r.get(c), digits) for c in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# groups of runs across seeds
+
+FAMILY_SECTIONS = ("cem", "momentum", "lime")  # config sections under "model" that only their own family reads
+
+
+def run_settings(config: dict, family: str | None = None) -> dict[str, Any]:
+    """A run's config (config.json as a dict) flattened to dotted keys, without what does not change the
+    experiment: the seed, the schema version and, when the run's family is known, the ``model.<section>`` of
+    other families (a baseline's ``model.momentum.stream_init`` builds the same model either way)."""
+    flat: dict[str, Any] = {}
+
+    def walk(d: dict, prefix: str) -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                flat[f"{prefix}{k}"] = v
+
+    walk({k: v for k, v in config.items() if k not in ("seed", "schema_version")}, "")
+    if family is not None:
+        other = tuple(f"model.{s}." for s in FAMILY_SECTIONS if s != family)
+        flat = {k: v for k, v in flat.items() if not k.startswith(other)}
+    return flat
+
+
+def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
+    """One label per run for its group (same settings apart from the seed): the architecture name, plus up to three
+    of the settings that tell apart groups sharing that name, e.g. ``baseline[model.mlp_hidden=224]``."""
+    import json
+
+    keys = [json.dumps(s, sort_keys=True, default=str) for s in settings]
+    by_arch: dict[str, list[str]] = {}
+    for a, k in zip(archs, keys, strict=True):
+        if k not in by_arch.setdefault(a, []):
+            by_arch[a].append(k)
+    label_of: dict[tuple[str, str], str] = {}
+    for a, ks in by_arch.items():
+        for k in ks:
+            if len(ks) == 1:
+                label_of[(a, k)] = a
+                continue
+            mine = json.loads(k)
+            others = [json.loads(o) for o in ks if o != k]
+            diff = sorted(name for name in set(mine) | {n for o in others for n in o}
+                          if any(o.get(name) != mine.get(name) for o in others))
+            label_of[(a, k)] = f"{a}[{','.join(f'{n}={mine.get(n)}' for n in diff[:3])}]"
+    return [label_of[(a, k)] for a, k in zip(archs, keys, strict=True)]

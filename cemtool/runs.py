@@ -230,7 +230,10 @@ def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: l
     run = Run(path)
     run.lock()
     atomic_write_json(path / "config.json", to_dict(cfg))
-    meta = {"schema_version": SCHEMA_VERSION, "status": "running", "arch": cfg.model.arch, "seed": cfg.seed,
+    from cemtool.models.registry import get_arch
+
+    meta = {"schema_version": SCHEMA_VERSION, "status": "running", "arch": cfg.model.arch,
+            "family": get_arch(cfg.model.arch).family, "seed": cfg.seed,
             "created": now(), "started": now(), "ended": None, "argv": argv if argv is not None else sys.argv,
             "device": device, "versions": versions(), "git_commit": git_commit(), "hostname": platform.node(),
             "step": 0}

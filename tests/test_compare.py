@@ -157,6 +157,32 @@ def test_groups_of_one_arch_get_distinct_labels(tmp_path):
     assert sorted(a["label"] for a in p["archs"]) == ["baseline[model.d_model=32]", "baseline[model.d_model=64]"]
 
 
+def test_settings_another_family_never_reads_do_not_split_groups(tmp_path):
+    """A baseline's model.momentum.stream_init builds the same model: one group. For tmm it is a real setting."""
+    fake_run(tmp_path, "b0", "baseline", 0, 5.0, sharp=(1.0, -0.1, 1e-3), extra=["model.momentum.stream_init=zero"])
+    fake_run(tmp_path, "b1", "baseline", 1, 5.0, sharp=(1.0, -0.1, 1e-3))
+    fake_run(tmp_path, "t0", "tmm", 0, 5.0, sharp=(1.0, -0.1, 1e-3), extra=["model.momentum.stream_init=zero"])
+    fake_run(tmp_path, "t1", "tmm", 1, 5.0, sharp=(1.0, -0.1, 1e-3))
+    p = compare([tmp_path])
+    assert {a["label"]: a["n"] for a in p["archs"]} == {"baseline": 2, "tmm[model.momentum.stream_init=zero]": 1,
+                                                        "tmm[model.momentum.stream_init=embed]": 1}
+
+
+def test_group_labels():
+    from cemtool.report import group_labels, run_settings
+
+    cfg = {"seed": 3, "schema_version": 1, "model": {"arch": "baseline", "d_model": 64, "momentum": {"beta": 0.5},
+                                                      "lime": {"variant": "static"}}}
+    assert run_settings(cfg) == {"model.arch": "baseline", "model.d_model": 64, "model.momentum.beta": 0.5,
+                                 "model.lime.variant": "static"}
+    assert run_settings(cfg, "baseline") == {"model.arch": "baseline", "model.d_model": 64}
+    assert run_settings(cfg, "lime") == {"model.arch": "baseline", "model.d_model": 64, "model.lime.variant": "static"}
+    a, b, c = {"x": 1, "y": 2}, {"x": 1, "y": 3}, {"x": 1, "y": 2, "z": 0}
+    assert group_labels(["p", "p", "q"], [a, a, b]) == ["p", "p", "q"]
+    assert group_labels(["p", "p", "p"], [a, b, a]) == ["p[y=2]", "p[y=3]", "p[y=2]"]
+    assert group_labels(["p", "p"], [a, c]) == ["p[z=None]", "p[z=0]"]  # a key only one group has
+
+
 def test_several_targets_need_a_choice(tmp_path):
     fake_run(tmp_path, "r0", "baseline", 0, 5.0, forget=(0.1, 0.2))
     fake_run(tmp_path, "r1", "baseline", 1, 5.0, forget=(0.3, 0.4), target="pydoc")
@@ -228,6 +254,11 @@ def test_real_study_from_reports_alone(study):
         assert a["forgetting"]["mean"] == pytest.approx(np.mean([r["forgetting"] for r in reports]))
         assert a["plasticity"]["std"] == pytest.approx(np.std([r["plasticity"] for r in reports], ddof=1))
         assert a["flops_per_token"]["mean"] == items[0]["flops_per_token"] and a["lambda_max"] is None
+    # the study's figures: validation curves averaged per group, with the comparison's groups
+    res = runner.invoke(app(), ["plot", str(study), "--no-each-run", "-q"])
+    assert res.exit_code == 0, res.output
+    assert (study / "plots" / "training_groups.png").exists() and (study / "plots" / "compare.png").exists()
+    assert "![training_groups](plots/training_groups.png)" in (study / "report.md").read_text()
     # a fine-tune run stands for its parent; a plain run is a row
     q = compare([study / "baseline-s0-ft-grammar-b", study / "tmm-s1"])
     assert [(r["arch"], r["seed"]) for r in q["runs"]] == [("baseline", 0), ("tmm", 1)]

@@ -136,6 +136,39 @@ def test_compare_bars_are_mean_and_standard_error():
     assert "plasticity" not in by  # no run has it
 
 
+def test_training_groups_are_mean_and_standard_error(tmp_path):
+    from cemtool.plots.training import RunCurves, group_runs, plot_training_groups, training_groups_figure
+
+    def run(name, arch, seed, vals, cfg=None):
+        val = [{"step": 10 * (i + 1), "tokens": 1000 * (i + 1), "val_loss": v, "val_floor": 3.0}
+               for i, v in enumerate(vals)]
+        config = {"seed": seed, "model": {"arch": arch, "d_model": 32, **(cfg or {})}}
+        return RunCurves(tmp_path / name, arch, seed, {}, config, [], val)
+
+    runs = [run("a0", "baseline", 0, [5.0, 4.0, 3.5]), run("a1", "baseline", 1, [5.2, 4.4, 3.7]),
+            run("a2", "baseline", 2, [5.1, 4.2]),  # stopped early: the shared points only
+            run("w0", "baseline", 0, [4.0, 3.6, 3.3], {"d_model": 48})]
+    groups = group_runs(runs)
+    assert {k: [r.path.name for r in v] for k, v in groups.items()} == {
+        "baseline[model.d_model=32]": ["a0", "a1", "a2"], "baseline[model.d_model=48]": ["w0"]}
+    assert group_runs(runs, {str(r.path): "all" for r in runs}) == {"all": runs}  # a compare.json's labels
+    fig = training_groups_figure(groups)
+    ax, gx = fig.axes[:2]
+    line = next(ln for ln in ax.get_lines() if ln.get_label().startswith("baseline[model.d_model=32]"))
+    assert list(line.get_xdata()) == [1000, 2000] and np.allclose(line.get_ydata(), [5.1, 4.2])
+    gap = next(ln for ln in gx.get_lines() if ln.get_label().startswith("baseline[model.d_model=32]"))
+    assert np.allclose(gap.get_ydata(), [2.1, 1.2]) and gx.get_yscale() == "log"
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # mean ± s.e. at the shared points
+    se = np.std([5.0, 5.2, 5.1], ddof=1) / math.sqrt(3)
+    assert np.isclose(band.max(), 5.1 + se) and np.isclose(band.min(), 4.2 - np.std([4.0, 4.4, 4.2], ddof=1) / 3 ** .5)
+    assert line.get_label() == "baseline[model.d_model=32] (n=3)"
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    paths = plot_training_groups(runs, tmp_path / "plots")
+    assert paths[0].read_bytes()[:8] == PNG_MAGIC
+
+
 def test_compare_layers_are_mean_and_standard_error(tmp_path):
     from cemtool.plots.compare import layer_measures, plot_compare_layers
 

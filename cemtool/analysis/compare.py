@@ -20,8 +20,10 @@ Per run, what each source provides (absent -> null, and the run is listed under 
 - a fine-tune's ``reports/forgetting.json``: ``forgetting`` and ``plasticity`` (one target; ``target`` chooses when
   the runs were fine-tuned on several).
 
-Runs are grouped by their config without the seed; the group is labelled by its architecture name, with the
-differing settings appended when two groups share an architecture. Per group and metric: mean, standard
+Runs are grouped by their config without the seed and without the ``model.cem`` / ``model.momentum`` /
+``model.lime`` sections of other families (which do not change the model; :func:`cemtool.report.run_settings`);
+the group is labelled by its architecture name, with the differing settings appended when two groups share an
+architecture (:func:`cemtool.report.group_labels`). Per group and metric: mean, standard
 deviation over seeds (ddof = 1) and n.
 
 Correlations: Spearman's rank correlation (``scipy.stats.spearmanr``) across runs between forgetting and each of
@@ -69,7 +71,8 @@ import torch
 
 from cemtool.config import RunConfig, to_dict
 from cemtool.errors import CemtoolError
-from cemtool.report import csv_text, markdown_table, provenance, write_report
+from cemtool.models.registry import get_arch
+from cemtool.report import csv_text, group_labels, markdown_table, provenance, run_settings, write_report
 from cemtool.runs import atomic_write_text, is_run, open_run, read_json
 
 METRICS = {"val_loss": "val loss", "params": "params", "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
@@ -291,7 +294,7 @@ def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[di
             notes.append(f"{u}: skipped, training is {meta.get('status')}")
             continue
         item = finder.study_items.get(u, {})
-        configs[str(u)] = _flatten({k: v for k, v in to_dict(cfg).items() if k not in ("seed", "schema_version")})
+        configs[str(u)] = run_settings(to_dict(cfg), get_arch(cfg.model.arch).family)
         rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed,
                      "val_loss": meta.get("val_loss"), "val_floor": meta.get("val_floor"),
                      "tokens": meta.get("tokens")}
@@ -325,35 +328,11 @@ def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[di
     return records, notes
 
 
-def _label(records: list[dict], flat: dict[str, dict]) -> None:
-    """Group label per record: the arch name, plus the settings that tell apart groups sharing an arch
-    (``flat``: run -> its flattened config without the seed)."""
-    groups: dict[str, list[dict]] = {}
-    for r in records:
-        groups.setdefault(json.dumps(flat[r["run"]], sort_keys=True), []).append(r)
-    by_arch: dict[str, list[str]] = {}
-    for key, rs in groups.items():
-        by_arch.setdefault(rs[0]["arch"], []).append(key)
-    for arch, keys in by_arch.items():
-        for key in keys:
-            label = arch
-            if len(keys) > 1:
-                mine = json.loads(key)
-                others = [json.loads(k) for k in keys if k != key]
-                diff = sorted(k for k in mine if any(o.get(k) != mine[k] for o in others))
-                label = f"{arch}[{','.join(f'{k}={mine[k]}' for k in diff[:3])}]"
-            for r in groups[key]:
-                r["label"] = label
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def _label(records: list[dict], settings: dict[str, dict]) -> None:
+    """Group label per record (:func:`cemtool.report.group_labels`; ``settings``: run -> its settings)."""
+    labels = group_labels([r["arch"] for r in records], [settings[r["run"]] for r in records])
+    for r, label in zip(records, labels, strict=True):
+        r["label"] = label
 
 
 # --------------------------------------------------------------------------------------------------------------

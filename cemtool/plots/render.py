@@ -276,6 +276,22 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
     reports["collapse_compare"] = (sources, payload)
 
 
+def _training_groups(curves: list, plots: Path, figures: dict, reports: dict) -> None:
+    """Validation curves averaged over seeds per group, when some group has several seeds; the groups are the
+    comparison's (compare.json of this folder) where it names every run, else the runs' own settings."""
+    from cemtool.plots.training import group_runs, plot_training_groups
+
+    cmp = (reports.get("compare") or (None, None))[1]
+    labels = None
+    if isinstance(cmp, dict) and isinstance(cmp.get("runs"), list):
+        labels = {str(Path(r["run"])): r["label"] for r in cmp["runs"] if isinstance(r, dict) and "label" in r}
+        labels = {**labels, **{str(Path(k).resolve()): v for k, v in labels.items()}}
+        labels = {str(c.path): labels.get(str(c.path), labels.get(str(c.path.resolve()))) for c in curves}
+        labels = None if None in labels.values() else labels
+    if any(len(g) > 1 for g in group_runs(curves, labels).values()):
+        figures["training_groups"] = _pngs(plot_training_groups(curves, plots, labels))
+
+
 def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: bool = True,
                  problems: list[str] | None = None, title: str | None = None) -> list[Path]:
     """Figures and report.md of a folder of runs (or of ``runs`` given explicitly, drawn into ``root``)."""
@@ -317,6 +333,7 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
             mine.append(f"{root / 'study.json'} does not have the shape this version of cemtool expects "
                         f"({type(e).__name__}: {str(e)[:100]})")
     reports.update(_plot_reports(find_reports(root, top_level=True), plots, figures, mine))
+    _training_groups(curves, plots, figures, reports)
     if "forgetting" not in reports:
         _forgetting_all(finetunes, plots, figures, reports, mine)
     if "sharpness_layers" not in reports:

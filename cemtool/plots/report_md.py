@@ -67,6 +67,8 @@ CAPTIONS = {
     "compare_correlations": "each run's forgetting against its curvature (tr(H)/n, λ_max); colour: architecture, "
                             "marker: seed; Spearman's rank correlation in the title",
     "compare": "one bar per architecture: mean over seeds with standard-error bars; dots: the individual seeds",
+    "training_groups": "validation loss averaged over the seeds of each group of runs (band: ± one standard "
+                       "error); right: the gap above the entropy floor",
     "compare_layers": "value entropy and value separability against depth, one line per architecture: mean over "
                       "seeds with standard-error bars (from the runs' collapse reports)",
     "saturation_sweep": "final validation loss against head size at a fixed budget H d_h, one line per sequence "
@@ -480,9 +482,9 @@ def collection_markdown(root: str | Path, runs: list[Path], figures: dict[str, l
         out.append(markdown_table(rows))
     if finetunes:
         out.append("Fine-tunes (`cemtool forgetting`): " + ", ".join(_run_link(p, base) for p in finetunes) + ".\n")
-    if figures.get("training"):
+    if figures.get("training") or figures.get("training_groups"):
         out.append("## Training curves\n")
-        out.append(figures_md(figures["training"], base))
+        out.append(figures_md(figures.get("training", []) + figures.get("training_groups", []), base))
     for stem, (path, rep) in sorted(reports.items(), key=lambda kv: _order(kv[0])):
         out.append(section(stem, rep, figures.get(stem, []), base, path))
     out += _notes(notes)

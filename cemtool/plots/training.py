@@ -21,6 +21,7 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
 
 from cemtool.errors import CemtoolError
 from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.report import group_labels, run_settings
 from cemtool.runs import read_json
 
 FLOOR_COLOR = "k"
@@ -176,14 +177,7 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
             color = arch_color(r.arch)
             pts = [(_x(v, x_axis), v["val_loss"] - r.floor) for v in r.val]
             gx.plot(*zip(*pts, strict=True), color=color, ls=ls, lw=1.8, marker="o", ms=3.5, label=r.label)
-        gaps = [y for line in gx.get_lines() for y in line.get_ydata()]
-        if gaps and min(gaps) > 0:
-            gx.set_yscale("log")
-            plain = FuncFormatter(lambda v, _: f"{v:g}")
-            gx.yaxis.set_major_formatter(plain)
-            if max(gaps) / min(gaps) < 10:  # less than a decade: label minor ticks, 1.5 and 2.5 included
-                gx.yaxis.set_minor_locator(LogLocator(subs=(1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
-                gx.yaxis.set_minor_formatter(plain)
+        _log_gap_axis(gx)
         gx.set_xlabel(ax.get_xlabel())
         if x_axis == "tokens":
             gx.xaxis.set_major_formatter(EngFormatter(sep=""))
@@ -191,6 +185,19 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
         gx.set_title("gap above the entropy floor", fontsize=9)
         gx.grid(alpha=0.3, which="both")
     return fig
+
+
+def _log_gap_axis(ax) -> None:
+    """Log scale for the gap panel when every plotted gap is positive, with plain tick labels (minor ones too when
+    the data span less than a decade)."""
+    gaps = [y for line in ax.get_lines() for y in line.get_ydata()]
+    if gaps and min(gaps) > 0:
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        if max(gaps) / min(gaps) < 10:  # less than a decade: label minor ticks, 1.5 and 2.5 included
+            ax.yaxis.set_minor_locator(LogLocator(subs=(1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
+            ax.yaxis.set_minor_formatter(plain)
 
 
 def _zoom(ax, runs: list[RunCurves], floors: list[float]) -> None:
@@ -206,6 +213,84 @@ def _zoom(ax, runs: list[RunCurves], floors: list[float]) -> None:
     ax.set_ylim(lo - pad, hi + pad)
 
 
+def group_runs(runs: list[RunCurves], labels: dict[str, str] | None = None) -> dict[str, list[RunCurves]]:
+    """Runs grouped across seeds: by ``labels`` (run path -> group label, e.g. from a compare.json) where given,
+    else by their settings without the seed (:func:`cemtool.report.run_settings`, using the family recorded in
+    meta.json)."""
+    if labels is None or any(str(r.path) not in labels for r in runs):
+        names = group_labels([r.arch for r in runs], [run_settings(r.config, r.meta.get("family")) for r in runs])
+    else:
+        names = [labels[str(r.path)] for r in runs]
+    groups: dict[str, list[RunCurves]] = {}
+    for r, name in zip(runs, names, strict=True):
+        groups.setdefault(name, []).append(r)
+    return groups
+
+
+def _mean_curve(runs: list[RunCurves], x_axis: str, floor: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x, mean and standard error over the runs of the validation loss (or its gap above the floor) at every
+    evaluation point that all runs share."""
+    per_run = [{_x(v, x_axis): v["val_loss"] - (r.floor if floor else 0.0) for v in r.val} for r in runs]
+    xs = sorted(set.intersection(*[set(d) for d in per_run]))
+    ys = np.array([[d[x] for x in xs] for d in per_run])  # (runs, points)
+    se = ys.std(axis=0, ddof=1) / np.sqrt(len(runs)) if len(runs) > 1 else np.zeros(len(xs))
+    return np.array(xs), ys.mean(axis=0), se
+
+
+def training_groups_figure(groups: dict[str, list[RunCurves]], x_axis: str = "tokens"):
+    """Validation loss per group of runs (mean over seeds, shaded ± one standard error), with the floor; the gap
+    above the floor on the right (log) when known. For studies with more seeds than line styles."""
+    runs = [r for rs in groups.values() for r in rs if r.val]
+    if not runs:
+        raise CemtoolError("no validation curves to plot")
+    floors = _floors(runs)
+    has_gap = bool(floors) and all(r.floor is not None for r in runs)
+    fig, axes = new_figure(11.0 if has_gap else 6.4, 4.4 + 0.25 * ((len(groups) + 4) // 4),
+                           ncols=2 if has_gap else 1)
+    panels = [(axes[0, 0], False)] + ([(axes[0, 1], True)] if has_gap else [])
+    for label, rs in groups.items():
+        rs = [r for r in rs if r.val]
+        if not rs:
+            continue
+        arch = rs[0].arch  # colour = architecture; groups sharing one get line styles
+        same_arch = [g for g, q in groups.items() if q and q[0].arch == arch]
+        ls = SEED_STYLES[same_arch.index(label) % len(SEED_STYLES)]
+        color = arch_color(arch)
+        for ax, gap in panels:
+            x, m, se = _mean_curve(rs, x_axis, gap)
+            ax.plot(x, m, color=color, ls=ls, lw=1.8, marker="o", ms=3, label=f"{label} (n={len(rs)})")
+            ax.fill_between(x, m - se, m + se, color=color, alpha=0.2, lw=0)
+    ax = axes[0, 0]
+    for f in floors:
+        ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
+    _zoom(ax, runs, floors)
+    ax.set_title("validation loss: mean over seeds, band = ± standard error", fontsize=9)
+    ax.set_ylabel("loss (nats/token)")
+    if has_gap:
+        gx = axes[0, 1]
+        _log_gap_axis(gx)
+        gx.set_ylabel("validation loss - floor (nats/token)")
+        gx.set_title("gap above the entropy floor (mean ± s.e.)", fontsize=9)
+        gx.grid(alpha=0.3, which="both")
+    for a, _ in panels:
+        a.set_xlabel("tokens seen" if x_axis == "tokens" else "optimizer step")
+        if x_axis == "tokens":
+            a.xaxis.set_major_formatter(EngFormatter(sep=""))
+        a.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if floors:
+        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
+        labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    return fig
+
+
+def plot_training_groups(runs: list[RunCurves], plots_dir: str | Path, labels: dict[str, str] | None = None,
+                         name: str = "training_groups", x_axis: str = "tokens") -> list[Path]:
+    """``plots/<name>.png`` and ``.svg``: the runs' validation curves averaged over seeds per group."""
+    return save(training_groups_figure(group_runs(runs, labels), x_axis), plots_dir, name)
+
+
 def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, name: str = "training",
                   x_axis: str = "tokens") -> list[Path]:
     """``plots/<name>.png`` and ``.svg`` for one or several runs."""
@@ -213,5 +298,6 @@ def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, nam
     return save(training_figure(curves, x_axis), plots_dir, name)
 
 
-__all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "distinguishable", "is_run_dir", "label_runs", "line_styles",
-           "plot_training", "read_json", "read_metrics", "read_run", "training_figure"]
+__all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "distinguishable", "group_runs", "is_run_dir", "label_runs",
+           "line_styles", "plot_training", "plot_training_groups", "read_json", "read_metrics", "read_run",
+           "training_figure", "training_groups_figure"]
