@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # Regenerate sample_runs/: what each cemtool command writes, from real runs, without the checkpoints.
 #
-#   scripts/make_sample_runs.sh            (about 10 minutes on 2 CPU cores)
+#   scripts/make_sample_runs.sh [STUDY]    (about 10 minutes on 2 CPU cores)
+#
+# STUDY: a finished study made by scripts/study.sh (about 2 hours; default runs/study when it exists). Its light
+# outputs are copied into sample_runs/study/: the study's report.md, figures and comparison tables, each run's
+# config, meta, metrics and forgetting report (not the runs' own sharpness/collapse reports, whose numbers are in
+# compare_runs.csv and reports/compare.json, nor checkpoints).
 #
 # sample_runs/demo/              cemtool demo (train, sharpness, curvature per layer, collapse-report, forgetting,
 #                                compare, plot) + cemtool saturation on one of its runs
@@ -17,6 +22,7 @@ OUT=sample_runs
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cemtool-samples.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
+STUDY=${1:-runs/study}
 REPO=$(pwd)
 cd "$WORK"   # relative paths below, so that the kept outputs name no temporary folder
 
@@ -50,6 +56,17 @@ for d in demo lime saturation-sweep; do
   cp -r "$WORK/$d" "$OUT/$d"
 done
 cp "$WORK/demo_output.txt" "$OUT/demo/demo_output.txt"
+if [ -f "$STUDY/compare.md" ]; then
+  echo "== copying the study $STUDY into $OUT/study (light outputs only)" >&2
+  (cd "$STUDY" && find . \( -name checkpoints -o -name '*.replaced-*' -o -name .lock \) -prune -o -type f \( \
+      -path './plots/*' -o -path './reports/*' -o -path './saturation/*' -o -name 'report.md' -o -name 'compare*' \
+      -o -name study.json -o -name config.json -o -name meta.json -o -name metrics.jsonl \
+      -o -name 'forgetting.json' -o -name '*.log' \) -print) | while read -r f; do
+    mkdir -p "$OUT/study/$(dirname "$f")"
+    cp "$STUDY/$f" "$OUT/study/$f"
+  done
+  find "$OUT/study/saturation" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null || true
+fi
 find "$OUT" -type d -name checkpoints -prune -exec rm -rf {} +
 find "$OUT" \( -name .lock -o -name '*.replaced-*' \) -prune -exec rm -rf {} +
 
@@ -74,6 +91,7 @@ is as the commands wrote it). Start with [demo/report.md](demo/report.md).
 | [demo/baseline-s0-ft-grammar-b/](demo/baseline-s0-ft-grammar-b/report.md) | `cemtool forgetting` | a fine-tune: source and target losses along the way |
 | [lime/](lime/report.md) | `cemtool train --arch lime`, `collapse-report`, `plot` | LIMe router heatmaps, expected retrieved layer |
 | [saturation-sweep/](saturation-sweep/report.md) | `cemtool saturation sweep`, `plot` | final loss against head size at a fixed budget, per sequence length |
+| [study/](study/report.md) | `scripts/study.sh`: `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | the study behind [docs/findings.md](../docs/findings.md): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
 
 When these files were made the demo took {total['wall_s']:.0f} s wall clock and {total['cpu_s']:.0f} s of CPU time (process
 time, all threads) on {timing['cpu_count']} CPU cores with {timing['threads']} torch thread(s) of a machine shared with other

@@ -360,3 +360,25 @@ def test_plot_does_not_import_torch(study, tmp_path):
             "print(r.exit_code, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[-2:] == ["0", "False"], out
+
+
+def test_many_runs_are_averaged_not_overlaid(tmp_path):
+    """13 runs (more than one pair of axes can show): no overlay, but the per-group mean curves, and a note."""
+    from cemtool.plots.render import MAX_OVERLAID
+
+    n = MAX_OVERLAID + 1
+    for i in range(n):
+        arch, seed = ("baseline", i) if i % 2 else ("tmm", i)
+        d = tmp_path / f"{arch}-s{seed}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": seed, "model": {"arch": arch, "d_model": 32}}))
+        (d / "meta.json").write_text(json.dumps({"status": "completed", "arch": arch, "seed": seed}))
+        rows = [{"step": s, "tokens": 100 * s, "val_loss": 5.0 - 0.1 * s + 0.01 * i, "val_floor": 3.0}
+                for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = invoke("plot", tmp_path, "--no-each-run")
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "plots" / "training.png").exists()
+    assert (tmp_path / "plots" / "training_groups.png").exists()
+    md = (tmp_path / "report.md").read_text()
+    assert f"no overlaid training curves of all {n} runs" in md and "training_groups" in md

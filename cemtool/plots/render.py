@@ -226,7 +226,11 @@ def render_run(run: str | Path, problems: list[str] | None = None) -> list[Path]
     return [p for figs in figures.values() for p in figs] + [md]
 
 
-def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str]) -> None:
+MAX_OVERLAID = 12  # at most this many runs are drawn on one pair of axes in the merged forgetting/collapse figures
+
+
+def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str],
+                    notes: list[str]) -> None:
     from cemtool.plots.compare import plot_forgetting
 
     found = [(p / "reports" / "forgetting.json") for p in finetunes]
@@ -241,6 +245,11 @@ def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: 
             reps.append(rep)
     if not reps:
         return
+    if len(reps) > MAX_OVERLAID:
+        notes.append(f"no overlaid forgetting curves: {len(reps)} fine-tunes are too many for one pair of axes "
+                     f"(the table below and the comparison's bars have their numbers)")
+        reports["forgetting"] = (found, reps)
+        return
     try:
         figures["forgetting"] = _pngs(plot_forgetting(reps, plots, "forgetting"))
     except SHAPE_ERRORS as e:
@@ -249,7 +258,10 @@ def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: 
     reports["forgetting"] = (found, reps)
 
 
-def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str]) -> None:
+
+
+def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str],
+                  notes: list[str]) -> None:
     """The runs' own collapse reports merged into one comparison (the same figures as ``cemtool collapse-report
     RUN RUN ...``, every run on the same axes); nothing is measured again."""
     found = []  # (run, report path, per-run entry)
@@ -262,6 +274,11 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
         if isinstance(rep, dict) and isinstance(rep.get("runs"), list):
             found += [(r, p, entry) for entry in rep["runs"]]
     if len(found) < 2:
+        return
+    if len(found) > MAX_OVERLAID:
+        notes.append(f"no merged collapse figures: {len(found)} runs are too many for one pair of axes (the "
+                        f"comparison's compare_layers figure averages them over seeds; each run's own report.md "
+                        f"has its figures)")
         return
     labels = [e.get("label") for _, _, e in found]
     unique = len(set(labels)) == len(labels)
@@ -312,11 +329,11 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
     trained = [r for r in runs if r not in finetunes]
     with_metrics = [r for r in trained if _has_metrics(r)]
     curves = [read_run(r) for r in with_metrics]
-    if curves and distinguishable(curves):
+    if curves and distinguishable(curves) and len(curves) <= MAX_OVERLAID:
         figures["training"] = _pngs(plot_training(curves, plots))
-    elif curves:  # colour = architecture and line style cannot tell so many runs of one architecture apart
-        notes.append(f"no overlaid training curves: too many of the {len(curves)} runs share an architecture to "
-                     f"tell them apart by line style (see each run's report.md)")
+    elif curves:  # colour = architecture and line style cannot tell so many runs apart
+        notes.append(f"no overlaid training curves of all {len(curves)} runs: too many for one pair of axes "
+                     f"(training_groups averages them over seeds; each run's report.md has its own curves)")
     reports: dict = {}
     if (root / "study.json").is_file():
         try:
@@ -335,11 +352,11 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
     reports.update(_plot_reports(find_reports(root, top_level=True), plots, figures, mine))
     _training_groups(curves, plots, figures, reports)
     if "forgetting" not in reports:
-        _forgetting_all(finetunes, plots, figures, reports, mine)
+        _forgetting_all(finetunes, plots, figures, reports, mine, notes)
     if "sharpness_layers" not in reports:
         _layers(trained, plots, figures, reports, mine)
     if "collapse_compare" not in reports:
-        _collapse_all(trained, plots, figures, reports, mine)
+        _collapse_all(trained, plots, figures, reports, mine, notes)
     md = write_collection_report(root, trained, figures, reports, notes + mine, title, finetunes=finetunes)
     problems += mine
     return written + [p for figs in figures.values() for p in figs] + [md]
