@@ -157,6 +157,38 @@ def test_groups_of_one_arch_get_distinct_labels(tmp_path):
     assert sorted(a["label"] for a in p["archs"]) == ["baseline[model.d_model=32]", "baseline[model.d_model=64]"]
 
 
+def test_val_loss_at_tokens(tmp_path):
+    """--at-tokens: each run's last evaluation at or before N tokens, from metrics.jsonl."""
+    for seed in range(2):
+        d = fake_run(tmp_path, f"b{seed}", "baseline", seed, 3.0, sharp=(1.0, -0.1, 1e-3))
+        rows = [{"step": 1, "tokens": 100, "train_loss": 9.0}] + [
+            {"step": s, "tokens": 100 * s, "val_loss": 6.0 - s - 0.1 * seed, "val_floor": 1.0} for s in (1, 2, 3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "tok')
+    p = compare([tmp_path], at_tokens=250)
+    assert [r["val_loss"] for r in p["runs"]] == [4.0, pytest.approx(3.9)] and p["runs"][0]["val_tokens"] == 200
+    assert p["archs"][0]["val_loss"]["mean"] == pytest.approx(3.95) and p["at_tokens"] == 250
+    assert compare([tmp_path])["runs"][0]["val_loss"] == 3.0  # the final one (meta.json) by default
+    early = compare([tmp_path], at_tokens=50)
+    assert early["runs"][0]["val_loss"] is None and any("no evaluation at or before 50" in n for n in early["notes"])
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--at-tokens", "300", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert "last evaluation at or before 300 training tokens (at 300 tokens)" in res.stdout
+    assert "at or before 300" in (tmp_path / "c" / "compare.md").read_text()
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--at-tokens", "0", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 1 and res.output.startswith("Error: --at-tokens must be a positive")
+
+
+def test_welch_flags_nearly_identical_values():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing reaches stderr: scipy's warning becomes the note
+        r = welch([1.0, 1.0, 1.0 + 1e-15], [0.5, 0.5, 0.5])
+    assert "nearly identical" in r["note"]
+    r = welch([0.9, 1.0, 0.95], [0.5, 0.6, 0.55])
+    assert r["note"] is None
+
+
 def test_settings_another_family_never_reads_do_not_split_groups(tmp_path):
     """A baseline's model.momentum.stream_init builds the same model: one group. For tmm it is a real setting."""
     fake_run(tmp_path, "b0", "baseline", 0, 5.0, sharp=(1.0, -0.1, 1e-3), extra=["model.momentum.stream_init=zero"])

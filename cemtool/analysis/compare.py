@@ -9,7 +9,9 @@ in the study manifest and among the parent's sibling directories.
 
 Per run, what each source provides (absent -> null, and the run is listed under ``missing``):
 
-- meta.json (written by training): final ``val_loss`` and ``val_floor``, tokens trained, parameters;
+- meta.json (written by training): final ``val_loss`` and ``val_floor``, tokens trained, parameters; with
+  ``at_tokens``, ``val_loss`` comes from metrics.jsonl instead: the last evaluation at or before that many tokens
+  (``val_tokens`` says which);
 - the config: training FLOPs per token (``cemtool.models.lm.flops_per_token`` on a freshly built model, or the
   study's record), total FLOPs = FLOPs/token x tokens;
 - ``reports/sharpness.json``: ``lambda_max`` (largest Hessian eigenvalue), ``lambda_min`` (smallest),
@@ -41,9 +43,10 @@ comparisons is applied (read a table of many intervals accordingly).
 compare.json schema (``reports/compare.json`` under the output folder)::
 
     {
-      "provenance": {...}, "inputs": [str], "target": str | null, "level": 0.95,
+      "provenance": {...}, "inputs": [str], "target": str | null, "level": 0.95, "at_tokens": int | null,
       "metrics": {key: column label},
-      "runs": [{"run", "label", "arch", "seed", "val_loss", "val_floor", "tokens", "params", "non_embedding",
+      "runs": [{"run", "label", "arch", "seed", "val_loss", "val_floor", "tokens", "val_tokens", "params",
+                "non_embedding",
                 "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
                 "trace_per_param", "trace_per_param_se", "sharpness_tokens", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
@@ -127,9 +130,15 @@ def welch(a: list[float], b: list[float], level: float = 0.95) -> dict:
     if np.var(a) == 0 and np.var(b) == 0:
         out.update(lo=out["diff"], hi=out["diff"], note="no variance within either architecture")
         return out
-    res = stats.ttest_ind(a, b, equal_var=False)
-    ci = res.confidence_interval(confidence_level=level)
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # scipy warns (to stderr) on nearly identical values
+        warnings.simplefilter("always")
+        res = stats.ttest_ind(a, b, equal_var=False)
+        ci = res.confidence_interval(confidence_level=level)
     out.update(lo=float(ci.low), hi=float(ci.high), df=float(res.df), p=float(res.pvalue))
+    if any("catastrophic cancellation" in str(w.message) for w in caught):
+        out["note"] = "values nearly identical: the interval is unreliable (precision loss)"
     return out
 
 
@@ -270,8 +279,11 @@ def _forgetting_of(children: set[Path]) -> dict[str, tuple[Path, dict]]:
     return out
 
 
-def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[dict], list[str]]:
-    """One record per source run (see the module docstring) and notes on what was skipped."""
+def collect(paths: list[str | Path], target: str | None = None,
+            at_tokens: int | None = None) -> tuple[list[dict], list[str]]:
+    """One record per source run (see the module docstring) and notes on what was skipped. ``at_tokens``: take
+    each run's validation loss from its last evaluation at or before that many training tokens (metrics.jsonl)
+    instead of the final one."""
     finder = _Finder()
     for p in paths:
         finder.add(Path(p))
@@ -297,7 +309,14 @@ def collect(paths: list[str | Path], target: str | None = None) -> tuple[list[di
         configs[str(u)] = run_settings(to_dict(cfg), get_arch(cfg.model.arch).family)
         rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed,
                      "val_loss": meta.get("val_loss"), "val_floor": meta.get("val_floor"),
-                     "tokens": meta.get("tokens")}
+                     "tokens": meta.get("tokens"), "val_tokens": meta.get("tokens")}
+        if at_tokens is not None:
+            evals = [m for m in run.metrics() if isinstance(m.get("val_loss"), (int, float))
+                     and isinstance(m.get("tokens"), int) and m["tokens"] <= at_tokens]
+            rec["val_loss"] = evals[-1]["val_loss"] if evals else None
+            rec["val_tokens"] = evals[-1]["tokens"] if evals else None
+            if not evals:
+                notes.append(f"{u}: no evaluation at or before {at_tokens:,} tokens")
         if "flops_per_token" in item:
             comp = {k: item[k] for k in ("params", "non_embedding", "flops_per_token")}
         else:
@@ -339,12 +358,16 @@ def _label(records: list[dict], settings: dict[str, dict]) -> None:
 # the comparison
 
 
-def compare(paths: list[str | Path], target: str | None = None, level: float = 0.95) -> dict:
+def compare(paths: list[str | Path], target: str | None = None, level: float = 0.95,
+            at_tokens: int | None = None) -> dict:
     """The comparison payload (schema in the module docstring). Raises CemtoolError if no run has any analysis
-    report."""
+    report. ``at_tokens``: compare validation losses at that point of training (see :func:`collect`)."""
     if not 0 < level < 1:
         raise CemtoolError(f"the confidence level must be in (0, 1), got {level}")
-    records, notes = collect(paths, target)
+    if at_tokens is not None and at_tokens < 1:
+        raise CemtoolError(f"--at-tokens must be a positive number of tokens, got {at_tokens}")
+    records, notes = collect(paths, target, at_tokens)
+
     missing = {name: [r["run"] for r in records if r["reports"][name] is None] for name in REPORTS}
     if all(len(missing[name]) == len(records) for name in REPORTS):
         raise CemtoolError(f"no analysis reports found for the {len(records)} run(s): looked for "
@@ -392,6 +415,7 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     targets = {r["forgetting_target"] for r in records if r.get("forgetting_target")}
     return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
             "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
+            "at_tokens": at_tokens,
             "metrics": METRICS, "runs": records, "archs": archs, "correlations": correlations,
             "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "notes": notes}
 
@@ -484,10 +508,20 @@ def flat_layer_rows(payload: dict) -> list[dict]:
     return out
 
 
+def val_loss_note(payload: dict) -> str:
+    """What "val loss" means in a comparison made with ``at_tokens``."""
+    points = sorted({r["val_tokens"] for r in payload["runs"] if r.get("val_tokens") is not None})
+    return (f"Val loss: each run's last evaluation at or before {payload['at_tokens']:,} training tokens (at "
+            f"{', '.join(f'{p:,}' for p in points) or 'no run has one'} tokens), not the final one. A loss in the "
+            f"middle of a decaying learning-rate schedule is not the loss of a run trained for that many tokens.")
+
+
 def markdown(payload: dict) -> str:
     cols, rows = arch_table(payload)
-    md = ["# Comparison", "", f"Mean ± std over seeds (n runs). Forgetting target: {payload['target'] or '-'}.", "",
-          markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
+    md = ["# Comparison", "", f"Mean ± std over seeds (n runs). Forgetting target: {payload['target'] or '-'}.", ""]
+    if payload.get("at_tokens") is not None:
+        md += [val_loss_note(payload), ""]
+    md += [markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
     md += ["## Spearman correlations across runs", "",
            markdown_table([{"x": c["x"], "y": c["y"], "rho": c["rho"], "p": c["p"], "p from": c["p_method"] or "",
                             "n": c["n"], "note": c["note"] or ""} for c in payload["correlations"]])]
@@ -528,4 +562,4 @@ def write_compare(payload: dict, out: str | Path) -> dict[str, Path]:
 
 
 __all__ = ["LAYER_METRICS", "METRICS", "PAIRWISE", "arch_table", "collect", "compare", "layer_table", "run_compute",
-           "spearman", "welch", "write_compare"]
+           "spearman", "val_loss_note", "welch", "write_compare"]

@@ -19,8 +19,10 @@ def _num(v) -> str:
 
 
 def print_compare(payload: dict) -> None:
-    from cemtool.analysis.compare import METRICS, arch_table, layer_table
+    from cemtool.analysis.compare import METRICS, arch_table, layer_table, val_loss_note
 
+    if payload.get("at_tokens") is not None:
+        console.result(val_loss_note(payload))
     cols, rows = arch_table(payload, transpose=True)
     target = f"; forgetting on {payload['target']}" if payload["target"] else ""
     console.table(f"comparison of {len(payload['runs'])} runs (mean ± std over seeds{target})", cols, rows)
@@ -59,6 +61,9 @@ def compare(
     target: Annotated[Optional[str], typer.Option(help="the forgetting target to use when runs were fine-tuned on "
                                                        "several")] = None,
     level: Annotated[float, typer.Option(help="confidence level of the pairwise intervals (default 0.95)")] = 0.95,
+    at_tokens: Annotated[Optional[int], typer.Option("--at-tokens", help="compare validation losses at this point "
+                                                     "of training (each run's last evaluation at or before this "
+                                                     "many tokens) instead of at the end")] = None,
     json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
 ) -> None:
     """Compare architectures from their reports alone (no checkpoints): val loss, parameters, FLOPs/token,
@@ -68,7 +73,7 @@ def compare(
     from cemtool.analysis.compare import compare as compare_runs
     from cemtool.analysis.compare import write_compare
 
-    payload = compare_runs(paths, target=target, level=level)
+    payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens)
     if out is None:
         out = paths[0] if len(paths) == 1 and (paths[0] / "study.json").is_file() else Path("compare")
     written = write_compare(payload, out)
