@@ -71,6 +71,26 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The JSON objects of a .jsonl file, one per line (a line cut by a kill, or not an object, is skipped); [] if
+    the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    rows = []
+    for line in p.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
@@ -178,18 +198,7 @@ class Run:
         return meta
 
     def metrics(self) -> list[dict]:
-        p = self.path / "metrics.jsonl"
-        if not p.exists():
-            return []
-        rows = []
-        for line in p.read_text(encoding="utf-8").splitlines():
-            line = line.strip()
-            if line:
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a line cut by a kill
-        return rows
+        return read_jsonl(self.path / "metrics.jsonl")
 
     def append_metrics(self, row: dict) -> None:
         with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:

@@ -11,7 +11,6 @@ Only JSON is read here (no torch import), so ``cemtool plot`` works on a run who
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,29 +21,10 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
 from cemtool.errors import CemtoolError
 from cemtool.plots.style import arch_color, new_figure, save
 from cemtool.report import group_labels, run_settings
-from cemtool.runs import read_json
+from cemtool.runs import read_json, read_jsonl
 
 FLOOR_COLOR = "k"
 SEED_STYLES = ["-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3))]  # never "--": that is the floor's
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of metrics.jsonl (a line cut by a kill is skipped); [] if the file does not exist."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    rows = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
 
 
 @dataclass
@@ -87,7 +67,7 @@ def read_run(path: str | Path) -> RunCurves:
         raise CemtoolError(f"{p}: config.json and meta.json must hold JSON objects")
     arch = meta.get("arch") or config.get("model", {}).get("arch", "?")
     seed = meta.get("seed", config.get("seed", 0))
-    rows = read_metrics(p / "metrics.jsonl")
+    rows = read_jsonl(p / "metrics.jsonl")
     train = [r for r in rows if isinstance(r.get("train_loss"), (int, float))]
     val = [r for r in rows if isinstance(r.get("val_loss"), (int, float))]
     return RunCurves(p, str(arch), int(seed), meta, config, train, val)
@@ -299,5 +279,5 @@ def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, nam
 
 
 __all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "distinguishable", "group_runs", "is_run_dir", "label_runs",
-           "line_styles", "plot_training", "plot_training_groups", "read_json", "read_metrics", "read_run",
+           "line_styles", "plot_training", "plot_training_groups", "read_json", "read_run",
            "training_figure", "training_groups_figure"]
