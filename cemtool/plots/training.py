@@ -143,11 +143,7 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
     ax.set_title("training (thin) and validation (markers) loss", fontsize=9)
     ax.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    if floors:
-        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
-        labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    _legend_below(fig, ax, floors)
     _zoom(ax, runs, floors)
     if has_gap:
         gx = axes[0, 1]
@@ -165,6 +161,15 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
         gx.set_title("gap above the entropy floor", fontsize=9)
         gx.grid(alpha=0.3, which="both")
     return fig
+
+
+def _legend_below(fig, ax, floors: list[float]) -> None:
+    """The runs of ``ax`` and the entropy floor in one legend below the axes."""
+    handles, labels = ax.get_legend_handles_labels()
+    if floors:
+        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
+        labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
+    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
 
 
 def _log_gap_axis(ax) -> None:
@@ -257,11 +262,7 @@ def training_groups_figure(groups: dict[str, list[RunCurves]], x_axis: str = "to
         if x_axis == "tokens":
             a.xaxis.set_major_formatter(EngFormatter(sep=""))
         a.grid(alpha=0.3)
-    handles, labels = ax.get_legend_handles_labels()
-    if floors:
-        handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
-        labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    _legend_below(fig, ax, floors)
     return fig
 
 
