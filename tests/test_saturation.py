@@ -176,6 +176,11 @@ def test_summarise_sweep_gain_and_saturation_point():
     assert s["points"][0]["se"] == pytest.approx(0.001)
     assert summarise_sweep([{**r, "head_dim": r["head_dim"], "val_loss": 1.0 - r["head_dim"] / 10}
                             for r in rows], 0.01)[0]["saturation_head_dim"] is None
+    # a bump: 2 -> 4 loses, but 8 beats 2 by 0.055 (0.0275 per doubling): not saturated before 8
+    bump = [{"seq_len": 16, "head_dim": d, "seed": 0, "val_loss": v}
+            for d, v in ((2, 0.637), (4, 0.681), (8, 0.582), (16, 0.652), (32, 0.667))]
+    s = summarise_sweep(bump, 0.01)[0]
+    assert s["points"][0]["gain_per_doubling"] == pytest.approx(-0.044) and s["saturation_head_dim"] == 8
     with pytest.raises(CemtoolError, match="does not divide"):
         sweep_grid([3], [16], [0], 16, rope=False)
     with pytest.raises(CemtoolError, match="odd"):

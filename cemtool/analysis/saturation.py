@@ -7,8 +7,8 @@ Two kinds of evidence, and advice drawn from them:
    says which layers tolerate low rank. Plus the attention-logit spread per query position (context length).
 2. **Sweep** (:func:`sweep_grid`, :func:`summarise_sweep`): final loss of small models trained over a grid of head
    sizes d_h at a fixed budget H d_h, per sequence length T; the marginal gain per doubling of d_h and the head
-   size where it falls below a threshold (the saturation point). The training itself is done by the caller
-   (``cemtool saturation sweep`` uses ``cemtool.train``): analysis never trains.
+   size from which no larger one gains more than a threshold per doubling (the saturation point). The training
+   itself is done by the caller (``cemtool saturation sweep`` uses ``cemtool.train``): analysis never trains.
 3. **Advice** (:func:`allocation_advice`): a per-layer (heads, head_dims) schedule at the same budget, as a config
    fragment ``cemtool train --config`` accepts.
 
@@ -433,8 +433,11 @@ def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequenc
 
 def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
     """Per sequence length: mean ± se final loss per head size, the gain per doubling of d_h to the next size,
-    and the saturation point: the smallest d_h whose gain per doubling is below ``threshold`` nats (None when
-    every step still gains more). ``results``: rows with seq_len, head_dim, seed, val_loss (and val_floor)."""
+    and the saturation point: the smallest d_h from which no larger d_h in the grid gains ``threshold`` nats per
+    doubling or more, (L(d) - L(d'))/log2(d'/d) < threshold for every d' > d (None when even the second-largest
+    size is beaten; on a convex, falling curve this is where the next doubling first gains less than the
+    threshold, and a dip after a bump is not mistaken for saturation). ``results``: rows with seq_len,
+    head_dim, seed, val_loss (and val_floor)."""
     out = []
     for T in sorted({r["seq_len"] for r in results}):
         rows = [r for r in results if r["seq_len"] == T and r.get("val_loss") is not None]
@@ -446,14 +449,13 @@ def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
             floors = [r.get("val_floor") for r in rows if r["head_dim"] == d and r.get("val_floor") is not None]
             points.append({"head_dim": d, "loss": float(losses.mean()), "se": se, "seeds": int(len(losses)),
                            "floor": float(np.mean(floors)) if floors else None})
-        sat = None
         for a, b in zip(points, points[1:], strict=False):
-            gain = (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
-            a["gain_per_doubling"] = gain
-            if sat is None and gain < threshold:
-                sat = a["head_dim"]
+            a["gain_per_doubling"] = (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
         if points:
             points[-1]["gain_per_doubling"] = None
+        sat = next((a["head_dim"] for i, a in enumerate(points[:-1])
+                    if all((a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"]) < threshold
+                           for b in points[i + 1:])), None)
         out.append({"seq_len": T, "points": points, "saturation_head_dim": sat, "threshold": threshold})
     return out
 
