@@ -299,7 +299,8 @@ def sweep(
                   f"{len(seed_list)} seed(s))", ["T", "d_h", "H", "loss ± s.e.", "floor", "gain/doubling"], body)
     for s in summary:
         sat = s["saturation_head_dim"]
-        console.result(f"T = {s['seq_len']}: " + (f"saturates at d_h = {sat} (next doubling gains < {threshold} nats)"
-                                                  if sat else f"no saturation within the grid (every doubling "
-                                                              f"gains >= {threshold} nats)"))
+        console.result(f"T = {s['seq_len']}: " + (f"saturates at d_h = {sat} (no larger d_h gains {threshold} nats "
+                                                  f"per doubling)" if sat else
+                                                  f"no saturation within the grid (a larger d_h still gains >= "
+                                                  f"{threshold} nats per doubling)"))
     console.result(f"wrote {paths['json']} (+ .csv)")
