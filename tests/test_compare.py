@@ -155,6 +155,9 @@ def test_groups_of_one_arch_get_distinct_labels(tmp_path):
         fake_run(tmp_path, f"b{seed}", "baseline", seed, 4.0, sharp=(2.0, -0.2, 2e-3), extra=["model.d_model=64"])
     p = compare([tmp_path])
     assert sorted(a["label"] for a in p["archs"]) == ["baseline[model.d_model=32]", "baseline[model.d_model=64]"]
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert "baseline[model.d_model=32]" in res.stdout and "baseline[model.d_model=64]" in res.stdout  # not markup
 
 
 def test_val_loss_at_tokens(tmp_path):

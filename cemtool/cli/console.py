@@ -10,6 +10,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from cemtool.errors import CemtoolError
 
@@ -51,11 +52,13 @@ def print_json(obj: Any) -> None:
 
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
-    t = Table(title=title, show_lines=False)
+    """A table on stdout; every string is shown as it is (plain Text: no rich markup, so brackets in labels such as
+    ``baseline[model.mlp_hidden=224]`` survive)."""
+    t = Table(title=None if title is None else Text(title), show_lines=False)
     for c in columns:
-        t.add_column(c, overflow="fold")
+        t.add_column(Text(str(c)), overflow="fold")
     for r in rows:
-        t.add_row(*["" if v is None else str(v) for v in r])
+        t.add_row(*[Text("" if v is None else str(v)) for v in r])
     out.print(t)
 
 
