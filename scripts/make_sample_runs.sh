@@ -3,10 +3,11 @@
 #
 #   scripts/make_sample_runs.sh [STUDY]    (about 10 minutes on 2 CPU cores)
 #
-# STUDY: a finished study made by scripts/study.sh (about 2 hours; default runs/study when it exists). Its light
-# outputs are copied into sample_runs/study/: the study's report.md, figures and comparison tables, each run's
-# config, meta, metrics and forgetting report (not the runs' own sharpness/collapse reports, whose numbers are in
-# compare_runs.csv and reports/compare.json, nor checkpoints).
+# STUDY: a finished study made by scripts/study.sh (about 2 hours; default runs/study when it exists; a path
+# relative to the repository). Its light outputs are copied into sample_runs/study/: the study's report.md, figures
+# and comparison tables, each run's config, meta, metrics and forgetting report (not the runs' own sharpness and
+# collapse reports, whose numbers are in compare_runs.csv and reports/compare.json, nor checkpoints); and its
+# saturation sweep STUDY-saturation into sample_runs/study-saturation/.
 #
 # sample_runs/demo/              cemtool demo (train, sharpness, curvature per layer, collapse-report, forgetting,
 #                                compare, plot) + cemtool saturation on one of its runs
@@ -65,7 +66,11 @@ if [ -f "$STUDY/compare.md" ]; then
     mkdir -p "$OUT/study/$(dirname "$f")"
     cp "$STUDY/$f" "$OUT/study/$f"
   done
-  find "$OUT/study/saturation" -type d -name checkpoints -prune -exec rm -rf {} + 2>/dev/null || true
+fi
+if [ -f "$STUDY-saturation/reports/saturation_sweep.json" ]; then
+  echo "== copying the saturation sweep $STUDY-saturation into $OUT/study-saturation (no checkpoints)" >&2
+  cp -r "$STUDY-saturation" "$OUT/study-saturation"
+  find "$OUT/study-saturation" \( -name checkpoints -o -name .lock \) -prune -exec rm -rf {} +
 fi
 find "$OUT" -type d -name checkpoints -prune -exec rm -rf {} +
 find "$OUT" \( -name .lock -o -name '*.replaced-*' \) -prune -exec rm -rf {} +
@@ -91,6 +96,7 @@ is as the commands wrote it). Start with [demo/report.md](demo/report.md).
 | [demo/baseline-s0-ft-grammar-b/](demo/baseline-s0-ft-grammar-b/report.md) | `cemtool forgetting` | a fine-tune: source and target losses along the way |
 | [lime/](lime/report.md) | `cemtool train --arch lime`, `collapse-report`, `plot` | LIMe router heatmaps, expected retrieved layer |
 | [saturation-sweep/](saturation-sweep/report.md) | `cemtool saturation sweep`, `plot` | final loss against head size at a fixed budget, per sequence length |
+| [study-saturation/](study-saturation/report.md) | `cemtool saturation sweep` (45 models), `plot` | the saturation sweep of docs/findings.md §4 |
 | [study/](study/report.md) | `scripts/study.sh`: `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | the study behind [docs/findings.md](../docs/findings.md): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
 
 When these files were made the demo took {total['wall_s']:.0f} s wall clock and {total['cpu_s']:.0f} s of CPU time (process

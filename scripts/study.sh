@@ -7,7 +7,7 @@
 #   c:    tmm with the paper's default "embed" streams (+15% parameters: learned stream embeddings)
 #   d:    the baseline widened to tmm-embed's parameter count (model.mlp_hidden=224: 269,056 vs 267,744)
 #
-#   scripts/study.sh [OUT]          (default runs/study; rerunning continues an interrupted study)
+#   scripts/study.sh [OUT]          (default runs/study, and OUT-saturation; rerunning continues where it stopped)
 #
 # The two halves are ordinary `cemtool sweep` studies run side by side (one torch thread each); one sweep with all
 # six architectures gives the same runs (batches are a pure function of seed and step), only slower on 2 cores.
@@ -40,6 +40,7 @@ wait $C $D
 $CEMTOOL compare "$OUT/a" "$OUT/b" "$OUT/c" "$OUT/d" --out "$OUT"
 $CEMTOOL plot "$OUT" --no-each-run --quiet
 
+# beside the study, not in it (its 45 small models are not part of the architecture comparison)
 $CEMTOOL saturation sweep --head-dims 2,4,8,16,32 --budget 32 --seq-lens 16,64,256 --seeds 0,1,2 \
-  --steps 300 --out "$OUT/saturation" --quiet
-$CEMTOOL plot "$OUT/saturation" --no-each-run --quiet
+  --steps 300 --out "$OUT-saturation" --quiet
+$CEMTOOL plot "$OUT-saturation" --no-each-run --quiet

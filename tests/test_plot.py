@@ -382,3 +382,15 @@ def test_many_runs_are_averaged_not_overlaid(tmp_path):
     assert (tmp_path / "plots" / "training_groups.png").exists()
     md = (tmp_path / "report.md").read_text()
     assert f"no overlaid training curves of all {n} runs" in md and "training_groups" in md
+    # too many groups to tell apart: neither figure, and a note
+    for i in range(len(SEED_STYLES) + 1):
+        d = tmp_path / f"wide{i}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"seed": 0, "model": {"arch": "baseline", "d_model": 40 + i}}))
+        (d / "meta.json").write_text(json.dumps({"status": "completed", "arch": "baseline", "seed": 0}))
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 100, "val_loss": 5.0}) + "\n")
+    (tmp_path / "plots" / "training_groups.png").unlink()
+    res = invoke("plot", tmp_path, "--no-each-run")
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "plots" / "training_groups.png").exists()
+    assert "no averaged training curves" in (tmp_path / "report.md").read_text()

@@ -293,10 +293,10 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
     reports["collapse_compare"] = (sources, payload)
 
 
-def _training_groups(curves: list, plots: Path, figures: dict, reports: dict) -> None:
+def _training_groups(curves: list, plots: Path, figures: dict, reports: dict, notes: list[str]) -> None:
     """Validation curves averaged over seeds per group, when some group has several seeds; the groups are the
     comparison's (compare.json of this folder) where it names every run, else the runs' own settings."""
-    from cemtool.plots.training import group_runs, plot_training_groups
+    from cemtool.plots.training import SEED_STYLES, group_runs, plot_training_groups
 
     cmp = (reports.get("compare") or (None, None))[1]
     labels = None
@@ -305,8 +305,15 @@ def _training_groups(curves: list, plots: Path, figures: dict, reports: dict) ->
         labels = {**labels, **{str(Path(k).resolve()): v for k, v in labels.items()}}
         labels = {str(c.path): labels.get(str(c.path), labels.get(str(c.path.resolve()))) for c in curves}
         labels = None if None in labels.values() else labels
-    if any(len(g) > 1 for g in group_runs(curves, labels).values()):
-        figures["training_groups"] = _pngs(plot_training_groups(curves, plots, labels))
+    groups = group_runs(curves, labels)
+    if not any(len(g) > 1 for g in groups.values()):
+        return  # nothing to average
+    archs = [g[0].arch for g in groups.values()]
+    if len(groups) > MAX_OVERLAID or max(archs.count(a) for a in archs) > len(SEED_STYLES):
+        notes.append(f"no averaged training curves: {len(groups)} groups of runs are too many to tell apart on one "
+                     f"pair of axes (colour = architecture, line style = group)")
+        return
+    figures["training_groups"] = _pngs(plot_training_groups(curves, plots, labels))
 
 
 def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: bool = True,
@@ -333,7 +340,7 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
         figures["training"] = _pngs(plot_training(curves, plots))
     elif curves:  # colour = architecture and line style cannot tell so many runs apart
         notes.append(f"no overlaid training curves of all {len(curves)} runs: too many for one pair of axes "
-                     f"(training_groups averages them over seeds; each run's report.md has its own curves)")
+                     f"(each run's report.md has its own curves)")
     reports: dict = {}
     if (root / "study.json").is_file():
         try:
@@ -350,7 +357,7 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
             mine.append(f"{root / 'study.json'} does not have the shape this version of cemtool expects "
                         f"({type(e).__name__}: {str(e)[:100]})")
     reports.update(_plot_reports(find_reports(root, top_level=True), plots, figures, mine))
-    _training_groups(curves, plots, figures, reports)
+    _training_groups(curves, plots, figures, reports, notes)
     if "forgetting" not in reports:
         _forgetting_all(finetunes, plots, figures, reports, mine, notes)
     if "sharpness_layers" not in reports:
