@@ -18,7 +18,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.style import arch_color, legend_below, new_figure, save, variant_index
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES
 
 # --------------------------------------------------------------------------------------------------------------
@@ -64,7 +64,7 @@ def plot_forgetting(reports: list[dict], plots_dir: str | Path, name: str = "for
     if floor_text:
         handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
         labels.append(f"entropy floor ({', '.join(floor_text)})")
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 3))
+    legend_below(fig, handles, labels, most=3)
     rec = reports[0]["recipe"]
     fig.suptitle(f"fine-tune: AdamW lr {rec['lr']:g}, {rec['steps']} steps ({rec['warmup_steps']} warmup, "
                  f"{rec['schedule']}), {rec['tokens_per_step']:,} tokens/step", fontsize=9)
@@ -130,7 +130,7 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
         axes[0, 2].set_ylabel("mean Hessian eigenvalue (nats/token)")
     axes[0, 1].axhline(0.0, color="0.6", lw=0.8)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    legend_below(fig, handles, labels, most=4)
     fig.suptitle("Hessian of the loss restricted to each layer's parameters (Lanczos; hollow: not converged); "
                  f"N = {', '.join(f'{t:,}' for t in tokens)} tokens", fontsize=9)
     return save(fig, plots_dir, name)
@@ -138,6 +138,10 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
 
 # --------------------------------------------------------------------------------------------------------------
 # comparison bars
+
+
+HATCHES = ["", "//", "..", "xx", "\\\\"]  # the 1st, 2nd, ... group of one architecture (same colour)
+FILLS = ["full", "none", "left", "bottom"]  # the same for scatter markers
 
 
 def bar_figure(groups: list[dict], measures: list[dict], title: str = ""):
@@ -150,19 +154,26 @@ def bar_figure(groups: list[dict], measures: list[dict], title: str = ""):
     fig, axes = new_figure(3.9 * ncols, 3.6 * nrows, ncols=ncols, nrows=nrows)
     flat = axes.reshape(-1)
     x = np.arange(len(groups))
+    # groups sharing an architecture share its colour: the second, third, ... get hatching
+    hatches = [HATCHES[k % len(HATCHES)] for k in variant_index([g["arch"] for g in groups])]
+    crowded = len(groups) > 4 or max(len(g["label"]) for g in groups) > 12  # slanted tick labels
     for ax, m in zip(flat, measures, strict=False):
         for i, (g, v) in enumerate(zip(groups, m["values"], strict=True)):
             if v is None or v.get("mean") is None:
                 ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7, color="0.4")
                 continue
             ax.bar(i, v["mean"], yerr=v.get("se"), color=arch_color(g["arch"]), capsize=4, alpha=0.85,
-                   edgecolor="k", lw=0.5)  # no error bar for a single run
+                   edgecolor="k", lw=0.5, hatch=hatches[i])  # no error bar for a single run
             pts = v.get("points") or []
             if len(pts) > 1:
                 jitter = np.linspace(-0.15, 0.15, len(pts))
                 ax.plot(i + jitter, pts, ls="none", marker=".", color="k", ms=4)
-        ax.set_xticks(x, [f"{g['label']}\n(n={v['n'] if v else 0})" for g, v in zip(groups, m["values"],
-                                                                                  strict=True)], fontsize=8)
+        ticks = [f"{g['label']} (n={v['n'] if v else 0})" if crowded else f"{g['label']}\n(n={v['n'] if v else 0})"
+                 for g, v in zip(groups, m["values"], strict=True)]
+        if crowded:
+            ax.set_xticks(x, ticks, fontsize=7, rotation=35, ha="right", rotation_mode="anchor")
+        else:
+            ax.set_xticks(x, ticks, fontsize=8)
         ax.set_title(m["name"], fontsize=9)
         ax.set_ylabel(m.get("unit", ""))
         ax.axhline(0.0, color="0.5", lw=0.6)
@@ -222,6 +233,8 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
     fig, axes = new_figure(4.6 * len(pairs), 4.4, ncols=len(pairs))
     seeds = sorted({r["seed"] for r in report["runs"]})
     markers = "osD^v<>"
+    groups = list(dict.fromkeys((r["label"], r["arch"]) for r in report["runs"]))
+    variant = dict(zip([g[0] for g in groups], variant_index([g[1] for g in groups]), strict=True))
     for ax, c in zip(axes[0], pairs, strict=True):
         shown = set()
         for r in report["runs"]:
@@ -229,8 +242,11 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
                 continue
             first = r["label"] not in shown
             shown.add(r["label"])
+            color = arch_color(r["arch"])  # a second group of the same architecture: hollow markers, ...
+            fill = FILLS[variant[r["label"]] % len(FILLS)]
             ax.plot(r[c["x"]], r[c["y"]], ls="none", marker=markers[seeds.index(r["seed"]) % len(markers)], ms=7,
-                    color=arch_color(r["arch"]), mec="k", mew=0.5, label=r["label"] if first else None)
+                    color=color, mec="k" if fill == "full" else color, mew=0.5 if fill == "full" else 1.5,
+                    fillstyle=fill, label=r["label"] if first else None)
         rho = "n/a" if c["rho"] is None else f"{c['rho']:+.2f}"
         p = "" if c["p"] is None else f", p = {c['p']:.2g} ({c['p_method']})"
         note = f"\n{c['note']}" if c.get("note") else ""
@@ -242,7 +258,7 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
     for s_, m in zip(seeds, markers, strict=False):  # marker = seed
         handles.append(Line2D([], [], ls="none", marker=m, color="0.5", mec="k", mew=0.5))
         labels.append(f"seed {s_}")
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 6))
+    legend_below(fig, handles, labels)
     return save(fig, plots_dir, name)
 
 
@@ -284,10 +300,12 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
         return []
     fig, axes = new_figure(5.0 * len(measures), 4.2, ncols=len(measures))
     for ax, (m, rows) in zip(axes[0], measures.items(), strict=True):
+        styles = variant_index([row["arch"] for row in rows])  # groups of one architecture: line styles
         for k, row in enumerate(rows):
             shift = (k - (len(rows) - 1) / 2) * 0.04  # small offsets so that error bars do not hide each other
             ax.errorbar(np.array(row["layers"]) + shift, row["mean"], yerr=row["se"], color=arch_color(row["arch"]),
-                        marker="o", ms=4, capsize=3, label=f"{row['label']} (n={max(row['n'])})")
+                        ls=SEED_STYLES[styles[k] % len(SEED_STYLES)], marker="o", ms=4, capsize=3,
+                        label=f"{row['label']} (n={max(row['n'])})")
         title, unit = LAYER_TITLES[m]
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
@@ -295,7 +313,7 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 6))
+    legend_below(fig, handles, labels)
     fig.suptitle("mean over seeds, error bars = standard error (std/√n)", fontsize=9)
     return save(fig, plots_dir, name)
 

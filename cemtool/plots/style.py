@@ -23,6 +23,22 @@ def arch_color(arch: str) -> tuple:
     return _PALETTE[h % len(_PALETTE)]
 
 
+def legend_below(fig, handles: list, labels: list[str], fontsize: float = 8, most: int = 6, **kwargs) -> None:
+    """One legend below the axes, with as many columns as the figure's width holds for its longest label (about
+    13 characters per inch at 8 pt), so that no entry is cut off at the edges."""
+    if not labels:
+        return
+    chars = fig.get_figwidth() * 13.0 * 8.0 / fontsize
+    ncol = max(1, min(len(labels), most, int(chars // (max(len(str(lb)) for lb in labels) + 6))))
+    fig.legend(handles, labels, fontsize=fontsize, loc="outside lower center", ncol=ncol, **kwargs)
+
+
+def variant_index(archs: list[str]) -> list[int]:
+    """For groups listed by architecture: 0 for the first group of each architecture, 1 for its second, ... (groups
+    of one architecture share its colour; figures tell them apart by this index: hatching, line style, fill)."""
+    return [archs[:i].count(a) for i, a in enumerate(archs)]
+
+
 def new_figure(width: float = 6.4, height: float = 4.2, ncols: int = 1, nrows: int = 1):
     fig, axes = plt.subplots(nrows, ncols, figsize=(width, height), squeeze=False, constrained_layout=True)
     return fig, axes

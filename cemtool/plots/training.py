@@ -19,7 +19,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
 
 from cemtool.errors import CemtoolError
-from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.style import arch_color, legend_below, new_figure, save
 from cemtool.report import group_labels, run_settings
 from cemtool.runs import read_json, read_jsonl
 
@@ -169,7 +169,7 @@ def _legend_below(fig, ax, floors: list[float]) -> None:
     if floors:
         handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
         labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
-    fig.legend(handles, labels, fontsize=8, loc="outside lower center", ncol=min(len(labels), 4))
+    legend_below(fig, handles, labels, most=4)
 
 
 def _log_gap_axis(ax) -> None:
@@ -185,11 +185,12 @@ def _log_gap_axis(ax) -> None:
             ax.yaxis.set_minor_formatter(plain)
 
 
-def _zoom(ax, runs: list[RunCurves], floors: list[float]) -> None:
+def _zoom(ax, runs: list[RunCurves], floors: list[float], train: bool = True) -> None:
     """Start the y axis a little below the floor and leave the few highest training losses of the first steps
-    (about ln(vocabulary) at initialisation) above the top, so that the part near the floor is readable."""
+    (about ln(vocabulary) at initialisation) above the top, so that the part near the floor is readable
+    (``train``: whether training losses are on the axes)."""
     vals = [v["val_loss"] for r in runs for v in r.val]
-    trains = [t["train_loss"] for r in runs for t in r.train]
+    trains = [t["train_loss"] for r in runs for t in r.train] if train else []
     if not vals and not trains:
         return
     lo = min(vals + trains + floors)
@@ -248,7 +249,7 @@ def training_groups_figure(groups: dict[str, list[RunCurves]], x_axis: str = "to
     ax = axes[0, 0]
     for f in floors:
         ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
-    _zoom(ax, runs, floors)
+    _zoom(ax, runs, floors, train=False)
     ax.set_title("validation loss: mean over seeds, band = ± standard error", fontsize=9)
     ax.set_ylabel("loss (nats/token)")
     if has_gap:
