@@ -394,3 +394,17 @@ def test_many_runs_are_averaged_not_overlaid(tmp_path):
     assert res.exit_code == 0, res.output
     assert not (tmp_path / "plots" / "training_groups.png").exists()
     assert "no averaged training curves" in (tmp_path / "report.md").read_text()
+
+
+def test_legend_columns_fit_the_figure_and_variants_are_counted():
+    from cemtool.plots.style import legend_below, new_figure, variant_index
+
+    assert variant_index(["tmm", "baseline", "tmm", "tmm", "lime"]) == [0, 0, 1, 2, 0]
+    for labels, ncol in ((["a", "b", "c"], 3), (["x" * 40] * 4, 1), (["x" * 20] * 8, 3)):
+        fig, axes = new_figure(6.4, 4.0)
+        handles = [axes[0, 0].plot([0, 1], [0, 1])[0] for _ in labels]
+        legend_below(fig, handles, labels)
+        assert fig.legends[0]._ncols == ncol, (labels[0], fig.legends[0]._ncols)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
