@@ -64,6 +64,7 @@ def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
 
 def progress(quiet: bool = False) -> Progress:
     """A rich progress bar on stderr with rate and ETA (disabled when quiet)."""
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                    TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"),
+    return Progress(TextColumn("{task.description}", style="bold", markup=False), BarColumn(),
+                    TextColumn("{task.completed}/{task.total}"), TextColumn("{task.fields[status]}", markup=False),
+                    TimeElapsedColumn(), TextColumn("eta"),
                     TimeRemainingColumn(), console=err, disable=quiet, transient=False)
