@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -42,8 +43,6 @@ def _cell(v: Any) -> Any:
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return str(v)
     if isinstance(v, (list, tuple, dict)):
-        import json
-
         return json.dumps(v)
     return v
 
@@ -108,8 +107,6 @@ def run_settings(config: dict, family: str | None = None) -> dict[str, Any]:
 def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
     """One label per run for its group (same settings apart from the seed): the architecture name, plus up to three
     of the settings that tell apart groups sharing that name, e.g. ``baseline[model.mlp_hidden=224]``."""
-    import json
-
     keys = [json.dumps(s, sort_keys=True, default=str) for s in settings]
     by_arch: dict[str, list[str]] = {}
     for a, k in zip(archs, keys, strict=True):

@@ -3,7 +3,7 @@
 #
 #   scripts/make_sample_runs.sh [STUDY]    (about 10 minutes on 2 CPU cores)
 #
-# STUDY: a finished study made by scripts/study.sh (about 2 hours; default runs/study when it exists; a path
+# STUDY: a finished study made by scripts/study.sh (about 1 h 20 min; default runs/study when it exists; a path
 # relative to the repository). Its light outputs are copied into sample_runs/study/: the study's report.md, figures
 # and comparison tables, each run's config, meta, metrics and forgetting report (not the runs' own sharpness and
 # collapse reports, whose numbers are in compare_runs.csv and reports/compare.json, nor checkpoints); and its

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The study behind docs/findings.md, on the grammar corpus, every run 4 layers x 64 wide trained on the same
 # 1,024,000 tokens, five seeds, every analysis (sharpness, collapse, forgetting on grammar-b), compared and plotted;
-# then the saturation sweep. About 2 hours on 2 CPU cores (two sweeps at a time, one core each).
+# then the saturation sweep. About 1 h 20 min on 2 CPU cores (measured) (two sweeps at a time, one core each).
 #
 #   a, b: baseline, hb, nesterov | tmm, adam, lime, with parameter-matched streams (model.momentum.stream_init=zero)
 #   c:    tmm with the paper's default "embed" streams (+15% parameters: learned stream embeddings)

@@ -397,27 +397,28 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     for x, y in CORRELATE:
         pairs = [(r[x], r[y]) for r in records if r[x] is not None and r[y] is not None]
         correlations.append({"x": x, "y": y, **spearman([p[0] for p in pairs], [p[1] for p in pairs])})
-    pairwise = []
-    for m in PAIRWISE:
-        for a, b in itertools.combinations(labels, 2):
-            va = [r[m] for r in records if r["label"] == a and r[m] is not None]
-            vb = [r[m] for r in records if r["label"] == b and r[m] is not None]
-            if va and vb:
-                pairwise.append({"metric": m, "a": a, "b": b, **welch(va, vb, level)})
-    pairwise_layers = []
-    for m in LAYER_METRICS:
-        for layer in _layer_ids(records):
-            for a, b in itertools.combinations(labels, 2):
-                va = _layer_values([r for r in records if r["label"] == a], layer, m)
-                vb = _layer_values([r for r in records if r["label"] == b], layer, m)
-                if va and vb:
-                    pairwise_layers.append({"metric": m, "layer": layer, "a": a, "b": b, **welch(va, vb, level)})
+    by_label = {label: [r for r in records if r["label"] == label] for label in labels}
+    pairwise = [{"metric": m, **p} for m in PAIRWISE
+                for p in _pairs(labels, lambda g, m=m: [r[m] for r in by_label[g] if r[m] is not None], level)]
+    pairwise_layers = [{"metric": m, "layer": layer, **p} for m in LAYER_METRICS for layer in _layer_ids(records)
+                       for p in _pairs(labels, lambda g, m=m, layer=layer: _layer_values(by_label[g], layer, m),
+                                       level)]
     targets = {r["forgetting_target"] for r in records if r.get("forgetting_target")}
     return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
             "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
             "at_tokens": at_tokens,
             "metrics": METRICS, "runs": records, "archs": archs, "correlations": correlations,
             "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "notes": notes}
+
+
+def _pairs(labels: list[str], values_of, level: float) -> list[dict]:
+    """Welch intervals of mean_a - mean_b for every two groups that both have values (``values_of(label)``)."""
+    out = []
+    for a, b in itertools.combinations(labels, 2):
+        va, vb = values_of(a), values_of(b)
+        if va and vb:
+            out.append({"a": a, "b": b, **welch(va, vb, level)})
+    return out
 
 
 def _layer_ids(records: list[dict]) -> list[int]:
@@ -482,8 +483,9 @@ def run_rows(payload: dict) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in ("reports", "layers")} for r in payload["runs"]]
 
 
-def layer_table(payload: dict) -> tuple[list[str], list[list[str]]]:
-    """One row per architecture, one column per (collapse measure, layer): mean ± std over seeds."""
+def layer_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[list[str]]]:
+    """One row per architecture, one column per (collapse measure, layer): mean ± std over seeds (``transpose``:
+    one row per measure and layer, one column per architecture)."""
     layers = sorted({e["layer"] for a in payload["archs"] for e in a.get("layers") or []})
     cols = ["arch", *[f"{label} L{layer}" for m, label in LAYER_METRICS.items() for layer in layers]]
     rows = []
@@ -492,6 +494,8 @@ def layer_table(payload: dict) -> tuple[list[str], list[list[str]]]:
         if by:
             rows.append([a["label"], *[cell(by[layer][m]) if layer in by else "" for m in LAYER_METRICS
                                        for layer in layers]])
+    if transpose and rows:
+        return ["", *[r[0] for r in rows]], [[c, *[r[j] for r in rows]] for j, c in enumerate(cols) if j > 0]
     return cols, rows
 
 

@@ -621,6 +621,20 @@ def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> t
     return (torch.randint(0, 2, (n, k), generator=gen, dtype=torch.float64) * 2 - 1).to(device)  # (n, k)
 
 
+class _CountedHVP:
+    """op.hvp in float64, counting the products and reporting the count to ``callback`` after each."""
+
+    def __init__(self, op, callback: Callback | None):
+        self.op, self.callback, self.done = op, callback, 0
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        out = self.op.hvp(v).to(torch.float64)
+        self.done += 1
+        if self.callback is not None:
+            self.callback(self.done)
+        return out
+
+
 def _trace_result(method: str, est: float, se: float, n: int, hvps: int, t0: float, seed: int) -> Trace:
     return Trace(method, est, se, est / n, se / n, hvps, time.perf_counter() - t0, seed, n)
 
@@ -631,12 +645,11 @@ def hutchinson(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None 
     if hvps < 2:
         raise CemtoolError("the trace needs at least 2 HVPs for a standard error")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
+    apply = _CountedHVP(op, callback)
     samples = []
-    for i in range(hvps):
+    for _ in range(hvps):
         z = _rademacher(op.n, 1, gen, op.device)[:, 0]  # (n,)
-        samples.append(float(z @ op.hvp(z)))
-        if callback is not None:
-            callback(i + 1)
+        samples.append(float(z @ apply(z)))
     s = np.asarray(samples)
     return _trace_result("hutchinson", float(s.mean()), float(s.std(ddof=1) / math.sqrt(len(s))), op.n, hvps, t0,
                          seed)
@@ -649,16 +662,7 @@ def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | 
     if hvps < 4:
         raise CemtoolError("Hutch++ needs at least 4 HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
-    done = 0
-
-    def apply(v: torch.Tensor) -> torch.Tensor:
-        nonlocal done
-        out = op.hvp(v).to(torch.float64)
-        done += 1
-        if callback is not None:
-            callback(done)
-        return out
-
+    apply = _CountedHVP(op, callback)
     k = min(hvps // 3, op.n)
     r = hvps - 2 * k
     S = _rademacher(op.n, k, gen, op.device)  # (n, k)
@@ -672,7 +676,7 @@ def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | 
         samples.append(float(g @ apply(g)))
     s = np.asarray(samples)
     se = float(s.std(ddof=1) / math.sqrt(len(s))) if len(s) > 1 else 0.0
-    return _trace_result("hutch++", low + float(s.mean()), se, op.n, done, t0, seed)
+    return _trace_result("hutch++", low + float(s.mean()), se, op.n, apply.done, t0, seed)
 
 
 def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = None) -> Trace:
@@ -690,25 +694,15 @@ def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = No
         raise CemtoolError("XTrace needs at least 4 HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
     s = min(hvps // 2, op.n)
-    done = 0
-
-    def apply(v: torch.Tensor) -> torch.Tensor:
-        nonlocal done
-        out = op.hvp(v).to(torch.float64)
-        done += 1
-        if callback is not None:
-            callback(done)
-        return out
-
+    apply = _CountedHVP(op, callback)
     Om = _rademacher(op.n, s, gen, op.device)  # (n, s)
     Y = torch.stack([apply(Om[:, i]) for i in range(s)], dim=1)  # (n, s) = H Omega
     Q, R = torch.linalg.qr(Y)  # (n, s), (s, s)
+    Z = torch.stack([apply(Q[:, i]) for i in range(s)], dim=1)  # (n, s) = H Q
     d = R.diagonal().abs()
     if float(d.min()) <= 1e-10 * float(d.max()):  # H Omega rank-deficient (H of low rank): no leave-one-out
-        Z = torch.stack([apply(Q[:, i]) for i in range(s)], dim=1)  # (n, s) = H Q
         # span(Q) contains range(H Omega) = range(H) (almost surely), so tr(Q^T H Q) = tr(H) exactly
-        return _trace_result("xtrace", float(torch.trace(Q.T @ Z)), 0.0, op.n, done, t0, seed)
-    Z = torch.stack([apply(Q[:, i]) for i in range(s)], dim=1)  # (n, s) = H Q
+        return _trace_result("xtrace", float(torch.trace(Q.T @ Z)), 0.0, op.n, apply.done, t0, seed)
     Hs = (Q.T @ Z).cpu()  # (s, s) = Q^T H Q
     Hs = (Hs + Hs.T) / 2
     W = (Q.T @ Om).cpu()  # (s, s) = Q^T Omega
@@ -726,7 +720,7 @@ def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = No
         ests.append(low + rest)
     e = np.asarray(ests)
     se = float(e.std(ddof=1) / math.sqrt(s)) if s > 1 else 0.0
-    return _trace_result("xtrace", float(e.mean()), se, op.n, done, t0, seed)
+    return _trace_result("xtrace", float(e.mean()), se, op.n, apply.done, t0, seed)
 
 
 # --------------------------------------------------------------------------------------------------------------

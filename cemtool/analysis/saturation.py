@@ -431,6 +431,11 @@ def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequenc
             for s in sorted(set(seeds))]
 
 
+def _gain(a: dict, b: dict) -> float:
+    """Loss gained per doubling of the head size from point a to the larger point b (nats)."""
+    return (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
+
+
 def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
     """Per sequence length: mean ± se final loss per head size, the gain per doubling of d_h to the next size,
     and the saturation point: the smallest d_h from which no larger d_h in the grid gains ``threshold`` nats per
@@ -450,12 +455,11 @@ def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
             points.append({"head_dim": d, "loss": float(losses.mean()), "se": se, "seeds": int(len(losses)),
                            "floor": float(np.mean(floors)) if floors else None})
         for a, b in zip(points, points[1:], strict=False):
-            a["gain_per_doubling"] = (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
+            a["gain_per_doubling"] = _gain(a, b)
         if points:
             points[-1]["gain_per_doubling"] = None
         sat = next((a["head_dim"] for i, a in enumerate(points[:-1])
-                    if all((a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"]) < threshold
-                           for b in points[i + 1:])), None)
+                    if all(_gain(a, b) < threshold for b in points[i + 1:])), None)
         out.append({"seq_len": T, "points": points, "saturation_head_dim": sat, "threshold": threshold})
     return out
 

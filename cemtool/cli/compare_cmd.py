@@ -26,12 +26,10 @@ def print_compare(payload: dict) -> None:
     cols, rows = arch_table(payload, transpose=True)
     target = f"; forgetting on {payload['target']}" if payload["target"] else ""
     console.table(f"comparison of {len(payload['runs'])} runs (mean ± std over seeds{target})", cols, rows)
-    cols, rows = layer_table(payload)
-    if rows:  # one row per measure and layer, one column per architecture (fits a terminal)
-        t_cols = ["", *[r[0] for r in rows]]
-        t_rows = [[c, *[r[j] for r in rows]] for j, c in enumerate(cols) if j > 0]
+    cols, rows = layer_table(payload, transpose=True)  # one row per measure and layer: fits a terminal
+    if rows:
         console.table("per layer, from the collapse reports (mean ± std over seeds; per-layer differences with "
-                      "intervals in compare.md)", t_cols, t_rows)
+                      "intervals in compare.md)", cols, rows)
     corr = [[f"{METRICS[c['x']]} vs {METRICS[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
              str(c["n"]), c["note"] or ""] for c in payload["correlations"]]
     console.table("Spearman rank correlation across runs", ["pair", "rho", "p", "p from", "n", "note"], corr)

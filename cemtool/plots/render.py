@@ -258,8 +258,6 @@ def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: 
     reports["forgetting"] = (found, reps)
 
 
-
-
 def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str],
                   notes: list[str]) -> None:
     """The runs' own collapse reports merged into one comparison (the same figures as ``cemtool collapse-report
@@ -277,8 +275,8 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
         return
     if len(found) > MAX_OVERLAID:
         notes.append(f"no merged collapse figures: {len(found)} runs are too many for one pair of axes (the "
-                        f"comparison's compare_layers figure averages them over seeds; each run's own report.md "
-                        f"has its figures)")
+                     f"comparison's compare_layers figure averages them over seeds; each run's own report.md "
+                     f"has its figures)")
         return
     labels = [e.get("label") for _, _, e in found]
     unique = len(set(labels)) == len(labels)
@@ -296,16 +294,13 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
 def _training_groups(curves: list, plots: Path, figures: dict, reports: dict, notes: list[str]) -> None:
     """Validation curves averaged over seeds per group, when some group has several seeds; the groups are the
     comparison's (compare.json of this folder) where it names every run, else the runs' own settings."""
-    from cemtool.plots.training import SEED_STYLES, group_runs, plot_training_groups
+    from cemtool.plots.style import save
+    from cemtool.plots.training import SEED_STYLES, group_runs, training_groups_figure
 
     cmp = (reports.get("compare") or (None, None))[1]
-    labels = None
-    if isinstance(cmp, dict) and isinstance(cmp.get("runs"), list):
-        labels = {str(Path(r["run"])): r["label"] for r in cmp["runs"] if isinstance(r, dict) and "label" in r}
-        labels = {**labels, **{str(Path(k).resolve()): v for k, v in labels.items()}}
-        labels = {str(c.path): labels.get(str(c.path), labels.get(str(c.path.resolve()))) for c in curves}
-        labels = None if None in labels.values() else labels
-    groups = group_runs(curves, labels)
+    runs = cmp.get("runs") if isinstance(cmp, dict) else None
+    by_path = {Path(r["run"]).resolve(): r["label"] for r in runs or [] if isinstance(r, dict) and "label" in r}
+    groups = group_runs(curves, {str(c.path): by_path.get(c.path.resolve()) for c in curves})
     if not any(len(g) > 1 for g in groups.values()):
         return  # nothing to average
     archs = [g[0].arch for g in groups.values()]
@@ -313,7 +308,7 @@ def _training_groups(curves: list, plots: Path, figures: dict, reports: dict, no
         notes.append(f"no averaged training curves: {len(groups)} groups of runs are too many to tell apart on one "
                      f"pair of axes (colour = architecture, line style = group)")
         return
-    figures["training_groups"] = _pngs(plot_training_groups(curves, plots, labels))
+    figures["training_groups"] = _pngs(save(training_groups_figure(groups), plots, "training_groups"))
 
 
 def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: bool = True,

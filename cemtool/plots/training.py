@@ -199,11 +199,11 @@ def _zoom(ax, runs: list[RunCurves], floors: list[float], train: bool = True) ->
     ax.set_ylim(lo - pad, hi + pad)
 
 
-def group_runs(runs: list[RunCurves], labels: dict[str, str] | None = None) -> dict[str, list[RunCurves]]:
-    """Runs grouped across seeds: by ``labels`` (run path -> group label, e.g. from a compare.json) where given,
-    else by their settings without the seed (:func:`cemtool.report.run_settings`, using the family recorded in
-    meta.json)."""
-    if labels is None or any(str(r.path) not in labels for r in runs):
+def group_runs(runs: list[RunCurves], labels: dict[str, str | None] | None = None) -> dict[str, list[RunCurves]]:
+    """Runs grouped across seeds: by ``labels`` (run path -> group label, e.g. from a compare.json) where it labels
+    every run, else by their settings without the seed (:func:`cemtool.report.run_settings`, using the family
+    recorded in meta.json)."""
+    if labels is None or any(labels.get(str(r.path)) is None for r in runs):
         names = group_labels([r.arch for r in runs], [run_settings(r.config, r.meta.get("family")) for r in runs])
     else:
         names = [labels[str(r.path)] for r in runs]
