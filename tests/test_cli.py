@@ -55,11 +55,31 @@ def test_tiny_real_run_then_runs_listing(tmp_path, text_file):
     assert rows[0]["status"] == "completed" and rows[0]["step"] == 30
 
 
+def test_archs_lists_every_architecture_without_building_one(monkeypatch):
+    from cemtool.models.lm import LM
+    from cemtool.models.registry import archs
+
+    def no_build(*a, **k):
+        raise AssertionError("`cemtool archs` built a model")
+
+    monkeypatch.setattr(LM, "__init__", no_build)  # every family's model is an LM
+    res = invoke("archs", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert {r["arch"]: r["family"] for r in rows} == {n: a.family for n, a in archs().items()}
+    assert all(r["description"] for r in rows)
+    table = invoke("archs")
+    assert table.exit_code == 0 and all(n in table.stdout for n in archs())
+    assert invoke("archs", "--sizes", "--arch", "baseline").exit_code == 1  # --sizes builds (here: refused)
+
+
 def test_archs_and_config_commands():
-    res = invoke("archs", "--json", "--arch", "baseline")
+    res = invoke("archs", "--sizes", "--json", "--arch", "baseline")
     assert res.exit_code == 0
     row = json.loads(res.stdout)[0]
     assert row["params"] > 0 and row["flops_train"] > row["flops_forward"] > 0
+    res = invoke("archs", "--set", "model.d_model=32", "--json", "--arch", "baseline")  # --set implies --sizes
+    assert json.loads(res.stdout)[0]["d_model"] == 32
     cfg = json.loads(invoke("config", "--set", "model.d_model=64").stdout)
     assert cfg["model"]["d_model"] == 64
     assert "model.cem.steps" in invoke("config", "--fields").stdout

@@ -34,12 +34,16 @@ def runs(
 @app.command()
 @guarded
 def archs(
+    sizes: Annotated[bool, typer.Option("--sizes", help="build every model: parameters, FLOPs per token and the "
+                                        "per-layer attention shapes (slower: seconds per architecture)")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="base size overrides, e.g. "
-                                                      "model.d_model=256")] = None,
-    vocab: Annotated[int, typer.Option(help="vocabulary size assumed for the counts")] = 512,
-    seq_len: Annotated[int, typer.Option(help="context length for FLOPs/token")] = 64,
-    time: Annotated[bool, typer.Option("--time", help="also measure seconds per training step (CPU, batch 8)")]
-    = False,
+                                                      "model.d_model=256 (implies --sizes)")] = None,
+    vocab: Annotated[Optional[int], typer.Option(help="vocabulary size assumed for the counts (default 512; "
+                                                 "implies --sizes)")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(help="context length for FLOPs/token (default 64; implies "
+                                                   "--sizes)")] = None,
+    time: Annotated[bool, typer.Option("--time", help="also measure seconds per training step (CPU, batch 8; "
+                                       "implies --sizes)")] = False,
     only: Annotated[Optional[list[str]], typer.Option("--arch", help="only these architectures")] = None,
     match_params: Annotated[Optional[str], typer.Option(help="size a baseline (--match-arch) to the non-embedding "
                                                          "parameters of this architecture or run")] = None,
@@ -48,14 +52,16 @@ def archs(
     match_arch: Annotated[str, typer.Option(help="the architecture to resize when matching")] = "baseline",
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """List the registered architectures with parameters and FLOPs per token at a given size.
+    """List the registered architectures: name, family and what each is (instant; no model is built).
 
+    With --sizes (or --set/--vocab/--seq-len/--time), build each one and add parameters and FLOPs per token.
     With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
-    from cemtool.analysis.compute import arch_table, match_width, target_size
-
+    vocab_, seq_len_ = vocab or 512, seq_len or 64
     if match_params or match_flops:
+        from cemtool.analysis.compute import match_width, target_size
+
         by, ref = ("params", match_params) if match_params else ("flops", match_flops)
-        target = target_size(ref, set_ or [], vocab, seq_len)
+        target = target_size(ref, set_ or [], vocab_, seq_len_)
         best = match_width(target, by, match_arch, set_ or [])
         if json_:
             console.print_json({"target": target, **{k: v for k, v in best.items()}})
@@ -66,8 +72,13 @@ def archs(
                        f"{'non-embedding parameters' if by == 'params' else 'training FLOPs/token'} vs "
                        f"{target[key]:,.0f} of {ref} ({best['rel_error']:+.2%})")
         return
+    if not (sizes or time or set_ or vocab is not None or seq_len is not None):
+        _list_archs(only, json_)
+        return
 
-    rows = arch_table(overrides=set_ or [], vocab=vocab, seq_len=seq_len, timed=time, only=only)
+    from cemtool.analysis.compute import arch_table
+
+    rows = arch_table(overrides=set_ or [], vocab=vocab_, seq_len=seq_len_, timed=time, only=only)
     if json_:
         console.print_json(rows)
         return
@@ -83,7 +94,19 @@ def archs(
         if time:
             line.append(f"{r['seconds_per_step']:.4f}")
         body.append(line)
-    console.table(f"architectures (vocab {vocab}, seq_len {seq_len})", cols, body)
+    console.table(f"architectures (vocab {vocab_}, seq_len {seq_len_})", cols, body)
+
+
+def _list_archs(only: list[str] | None, json_: bool) -> None:
+    """Names, families and descriptions from the registry alone (no model is built)."""
+    from cemtool.models.registry import arch_list
+
+    rows = arch_list(only)
+    if json_:
+        console.print_json(rows)
+        return
+    console.table("architectures (`cemtool archs --sizes` adds parameters and FLOPs per token)",
+                  ["arch", "family", "what it is"], [[r["arch"], r["family"], r["description"]] for r in rows])
 
 
 @app.command()

@@ -56,6 +56,12 @@ def get_arch(name: str) -> ArchSpec:
     return _ARCHS[name]
 
 
+def arch_list(only: list[str] | None = None) -> list[dict]:
+    """Name, family and description of every architecture (or of ``only``), by family then name; builds nothing."""
+    specs = [get_arch(n) for n in only] if only else sorted(archs().values(), key=lambda a: (a.family, a.name))
+    return [{"arch": a.name, "family": a.family, "description": a.description} for a in specs]
+
+
 def build_model(cfg):
     """Instantiate the LM for a resolved ModelConfig (vocab_size and max_seq_len set)."""
     return get_arch(cfg.arch).build(cfg)
