@@ -25,6 +25,15 @@ from cemtool.errors import ConfigError
 
 SCHEMA_VERSION = 1
 
+# upper bounds of the size fields: far above anything cemtool trains, low enough that no single field can ask for
+# an absurd allocation (whether a whole model fits is checked from the config by ``cemtool.train.check_memory``)
+MAX_WIDTH = 1 << 16
+MAX_HEADS = 1 << 12
+MAX_SEQ_LEN = 1 << 20
+MAX_VOCAB = 1 << 24
+MAX_SYNTHETIC_TOKENS = 1 << 31
+MAX_SEED = (1 << 32) - 1
+
 
 def opt(default: Any, help: str, choices: tuple | None = None, min: float | None = None,
         max: float | None = None) -> Any:
@@ -48,9 +57,9 @@ class CEMConfig:
     gate_from_context: bool = opt(True, "MLP gate computed from the context c = LN(x) instead of g = LN(y) [recon]")
     dplr: bool = opt(False, "diagonal-plus-low-rank interaction A_h = diag(delta_h) + W_Q^T W_K")
     precond_rank: int = opt(0, "rank r of the preconditioner P = diag(softplus(p)) + U U^T (0 = no preconditioner)",
-                            min=0)
+                            min=0, max=4096)
     steps: int = opt(1, "recursive energy steps T per layer (context fixed to the layer input)", min=1, max=16)
-    step_init: float = opt(1.0, "initial value of each learned positive step size eta_t", min=1e-6)
+    step_init: float = opt(1.0, "initial value of each learned positive step size eta_t", min=1e-6, max=1e3)
 
 
 @dataclass(frozen=True)
@@ -73,7 +82,7 @@ class LimeConfig:
     variant: str = opt("static", "router: static K/V mix over earlier layers, softmax over hidden states, or dynamic",
                        choices=("static", "softmax", "dynamic"))
     router_lr_mult: float = opt(10.0, "learning-rate multiplier of the router parameters (own optimizer group)",
-                                min=0.0)
+                                min=0.0, max=1e4)
 
 
 @dataclass(frozen=True)
@@ -82,25 +91,25 @@ class ModelConfig:
 
     arch: str = opt("baseline", "architecture name (see `cemtool archs`)")
     n_layer: int = opt(4, "number of blocks", min=1, max=256)
-    d_model: int = opt(128, "width of the residual stream", min=8)
-    n_head: int = opt(4, "attention heads per layer (uniform allocation)", min=1)
-    head_dim: int = opt(0, "size of each head; 0 = d_model // n_head", min=0)
+    d_model: int = opt(128, "width of the residual stream", min=8, max=MAX_WIDTH)
+    n_head: int = opt(4, "attention heads per layer (uniform allocation)", min=1, max=MAX_HEADS)
+    head_dim: int = opt(0, "size of each head; 0 = d_model // n_head", min=0, max=MAX_WIDTH)
     heads: tuple = opt((), "per-layer head counts (empty = from alloc_strategy); length n_layer")
     head_dims: tuple = opt((), "per-layer head sizes (empty = from alloc_strategy); length n_layer")
     alloc_strategy: str = opt("uniform", "per-layer head/head-dim allocation at the uniform model's budget",
                               choices=("uniform", "early-heavy", "late-lowrank"))
     mlp: str = opt("swiglu", "MLP type", choices=("swiglu", "gelu"))
     mlp_hidden: int = opt(0, "MLP hidden width; 0 = 4*d_model for gelu, the multiple of 16 nearest 8/3*d_model "
-                             "for swiglu (same parameters)", min=0)
+                             "for swiglu (same parameters)", min=0, max=4 * MAX_WIDTH)
     norm: str = opt("rmsnorm", "normalisation layer", choices=("rmsnorm", "layernorm"))
-    norm_eps: float = opt(1e-5, "epsilon of the norm layers", min=0.0)
+    norm_eps: float = opt(1e-5, "epsilon of the norm layers", min=0.0, max=1.0)
     pos: str = opt("rope", "position encoding", choices=("rope", "learned"))
-    rope_base: float = opt(10000.0, "RoPE base frequency", min=1.0)
+    rope_base: float = opt(10000.0, "RoPE base frequency", min=1.0, max=1e12)
     tie_embeddings: bool = opt(True, "share the token embedding with the LM head")
-    max_seq_len: int = opt(0, "longest context the model accepts; 0 = data.seq_len", min=0)
-    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's", min=0)
+    max_seq_len: int = opt(0, "longest context the model accepts; 0 = data.seq_len", min=0, max=MAX_SEQ_LEN)
+    vocab_size: int = opt(0, "vocabulary size; 0 = the tokenizer's", min=0, max=MAX_VOCAB)
     init_std: float = opt(0.02, "std of the normal init; residual output projections get std/sqrt(2*n_layer)",
-                          min=0.0)
+                          min=0.0, max=10.0)
     attn_impl: str = opt("fused", "attention kernel: fused scaled_dot_product_attention or explicit softmax "
                                   "(identical outputs; explicit exposes probabilities and double backward)",
                          choices=("fused", "explicit"))
@@ -118,45 +127,52 @@ class DataConfig:
     """Where tokens come from and how they are cut into windows."""
 
     source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), 'ngram', "
-                                 "'pydoc', or a path to a .txt file or a folder of .txt files")
-    tokenizer: str = opt("auto", "auto = word for grammar, bpe for text", choices=("auto", "word", "byte", "bpe"))
+                                 "'pydoc', or a path to a .txt file or a folder of .txt files, or pretokenised "
+                                 "token files (.bin, .npy, or a folder with train.bin and val.bin)")
+    tokenizer: str = opt("auto", "auto = word for grammar, bpe for text, ids alone for token files; word, byte, bpe, "
+                                 "or the path of a Hugging Face tokenizer.json (e.g. GPT-2's)")
     bpe_vocab_size: int = opt(2048, "vocabulary size of a locally trained BPE tokenizer", min=260, max=65535)
-    seq_len: int = opt(64, "tokens per training window", min=2)
-    train_tokens: int = opt(2_000_000, "tokens generated for training (synthetic sources only)", min=1000)
+    seq_len: int = opt(64, "tokens per training window", min=2, max=MAX_SEQ_LEN)
+    train_tokens: int = opt(2_000_000, "tokens generated for training (synthetic sources only)", min=1000,
+                            max=MAX_SYNTHETIC_TOKENS)
     val_tokens: int = opt(65_536, "held-out validation tokens (synthetic sources: generated with another seed)",
-                          min=128)
+                          min=128, max=MAX_SYNTHETIC_TOKENS)
     val_fraction: float = opt(0.05, "share of a text corpus held out for validation (the end of the text)",
                               min=0.001, max=0.5)
-    seed: int = opt(1234, "seed of the corpus itself (synthetic generation), independent of the training seed")
+    seed: int = opt(1234, "seed of the corpus itself (synthetic generation), independent of the training seed",
+                    min=0, max=MAX_SEED)
+    token_dtype: str = opt("uint16", "dtype of flat .bin token files (nanoGPT: uint16; uint32 for vocabularies over "
+                                     "65,535); .npy files carry their own", choices=("uint16", "uint32"))
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The optimisation loop."""
 
-    max_steps: int = opt(800, "optimizer steps (ignored when max_tokens > 0)", min=1)
-    max_tokens: int = opt(0, "train on this many tokens instead of max_steps (0 = use max_steps)", min=0)
-    batch_size: int = opt(32, "sequences per micro-batch (global, across processes)", min=1)
-    grad_accum: int = opt(1, "micro-batches per optimizer step", min=1)
-    lr: float = opt(3e-3, "peak learning rate", min=0.0)
+    max_steps: int = opt(800, "optimizer steps (ignored when max_tokens > 0)", min=1, max=10**9)
+    max_tokens: int = opt(0, "train on this many tokens instead of max_steps (0 = use max_steps)", min=0,
+                          max=10**15)
+    batch_size: int = opt(32, "sequences per micro-batch (global, across processes)", min=1, max=1 << 20)
+    grad_accum: int = opt(1, "micro-batches per optimizer step", min=1, max=1 << 16)
+    lr: float = opt(3e-3, "peak learning rate", min=0.0, max=100.0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of lr (cosine, wsd)", min=0.0, max=1.0)
     schedule: str = opt("cosine", "learning-rate schedule after warmup", choices=("cosine", "constant", "wsd"))
-    warmup_steps: int = opt(50, "linear warmup steps", min=0)
+    warmup_steps: int = opt(50, "linear warmup steps", min=0, max=10**9)
     decay_fraction: float = opt(0.2, "wsd: fraction of steps spent decaying at the end", min=0.0, max=1.0)
     weight_decay: float = opt(0.1, "AdamW weight decay (matrices only; norms, biases, embeddings... exempt)",
-                              min=0.0)
+                              min=0.0, max=100.0)
     beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
-    eps: float = opt(1e-8, "AdamW epsilon", min=0.0)
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0)
-    eval_every: int = opt(200, "evaluate every N steps (and at the end)", min=1)
-    eval_tokens: int = opt(32_768, "validation tokens per evaluation (fixed windows)", min=1)
-    log_every: int = opt(20, "write a metrics line every N steps", min=1)
-    ckpt_every: int = opt(0, "checkpoint every N steps (0 = at each evaluation)", min=0)
-    keep_checkpoints: int = opt(2, "step checkpoints kept besides final (oldest deleted first)", min=1)
+    eps: float = opt(1e-8, "AdamW epsilon", min=0.0, max=1.0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0, max=1e6)
+    eval_every: int = opt(200, "evaluate every N steps (and at step 0 and the end)", min=1, max=10**9)
+    eval_tokens: int = opt(32_768, "validation tokens per evaluation (fixed windows)", min=1, max=1 << 30)
+    log_every: int = opt(20, "write a metrics line every N steps", min=1, max=10**9)
+    ckpt_every: int = opt(0, "checkpoint every N steps (0 = at each evaluation)", min=0, max=10**9)
+    keep_checkpoints: int = opt(2, "step checkpoints kept besides final (oldest deleted first)", min=1, max=10**6)
     precision: str = opt("auto", "auto = bf16 autocast on CUDA, fp32 elsewhere", choices=("auto", "fp32", "bf16"))
     compile: bool = opt(False, "torch.compile the model")
-    threads: int = opt(0, "CPU threads for torch (0 = torch's default)", min=0)
+    threads: int = opt(0, "CPU threads for torch (0 = torch's default)", min=0, max=4096)
 
 
 @dataclass(frozen=True)
@@ -166,8 +182,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "the network"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "the corpus"})
     train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "the optimisation"})
-    seed: int = opt(0, "seed of initialisation, batch order and dropout")
-    schema_version: int = opt(SCHEMA_VERSION, "config schema version (written by cemtool)")
+    seed: int = opt(0, "seed of initialisation, batch order and dropout", min=0, max=MAX_SEED)
+    schema_version: int = opt(SCHEMA_VERSION, "config schema version (written by cemtool)", min=1, max=SCHEMA_VERSION)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -390,6 +406,10 @@ def validate(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"model.{name} has {len(v)} entries, expected model.n_layer={m.n_layer}")
         if any(x < 1 for x in v):
             raise ConfigError(f"model.{name}={list(v)} must hold positive integers")
+    tok = cfg.data.tokenizer
+    if tok not in ("auto", "word", "byte", "bpe") and not tok.lower().endswith(".json"):
+        raise ConfigError(f"data.tokenizer={tok!r} is not allowed: choose one of auto, word, byte, bpe, or the path "
+                          f"of a tokenizer.json")
     if m.max_seq_len and m.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={cfg.data.seq_len}")
     return cfg

@@ -114,8 +114,12 @@ def sources() -> list[str]:
 
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """Build the corpus named by ``cfg.source`` (a registered name or a path). ``tokenizer``: reuse a run's."""
+    from cemtool.data.tokens import is_token_source, token_corpus
+
     if cfg.source in _SOURCES:
         corpus = _SOURCES[cfg.source](cfg, tokenizer)
+    elif is_token_source(cfg.source):
+        corpus = token_corpus(cfg, tokenizer)
     else:
         corpus = text_corpus(cfg, tokenizer)
     corpus.check_seq_len(cfg.seq_len)
@@ -157,6 +161,10 @@ def _split(ids: np.ndarray, frac: float) -> tuple[np.ndarray, np.ndarray]:
 def _text_tokenizer(cfg: DataConfig, chunks: Callable[[], Iterator[str]], tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is not None:
         return tokenizer
+    from cemtool.data.tokens import hf_tokenizer, is_tokenizer_file
+
+    if is_tokenizer_file(cfg.tokenizer):
+        return hf_tokenizer(cfg.tokenizer)
     kind = "bpe" if cfg.tokenizer == "auto" else cfg.tokenizer
     if kind == "word":
         raise CemtoolError("data.tokenizer=word is only for the grammar corpus", hint="use byte or bpe for text")

@@ -1,0 +1,201 @@
+"""Pretokenised token files, memory-mapped: nanoGPT-style flat ``.bin`` and NumPy ``.npy`` arrays.
+
+- ``name.bin``: raw little-endian token ids and nothing else (what nanoGPT's ``prepare.py`` writes), of
+  ``data.token_dtype`` (uint16, the default, or uint32 for vocabularies over 65,535 ids).
+- ``name.npy``: a NumPy array of integer ids (any shape, read in C order); its dtype comes from its header.
+  Loaded with ``allow_pickle=False``: an object array is refused, nothing is ever unpickled.
+- a folder holding ``train.bin`` (or ``train.npy``) and optionally ``val.bin`` (``val.npy``), nanoGPT's layout:
+  the val file is the validation split; without one the last ``data.val_fraction`` of train is held out.
+
+Nothing is read whole. The files are memory-mapped, and the one full pass, the check that every id lies in the
+vocabulary, reads fixed-size chunks into one buffer, so memory stays flat in the size of the corpus
+(``benchmarks/token_memory.py`` measures it).
+
+The vocabulary the ids are checked against: the tokenizer that is given (a run's, when an analysis reloads its
+data), else ``data.tokenizer`` as the path of a Hugging Face ``tokenizer.json`` (the one the files were made
+with, e.g. GPT-2's), else ``byte`` (256 ids), else (``auto``) ids alone: a tokenizer whose token i is the text
+``<i>``, sized max id + 1 (set ``model.vocab_size`` for a larger embedding, e.g. nanoGPT's 50304).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models, pre_tokenizers
+
+from cemtool.config import DataConfig
+from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
+from cemtool.errors import CemtoolError
+
+TOKEN_SUFFIXES = (".bin", ".npy")
+SCAN_TOKENS = 1 << 22  # ids per chunk of the vocabulary check (8 MiB of uint16)
+
+
+def is_token_source(source: str) -> bool:
+    """A .bin/.npy file, or a folder holding train.bin or train.npy."""
+    p = Path(source).expanduser()
+    if p.is_file():
+        return p.suffix.lower() in TOKEN_SUFFIXES
+    return p.is_dir() and any((p / f"train{s}").is_file() for s in TOKEN_SUFFIXES)
+
+
+def token_files(source: str) -> tuple[Path, Path | None]:
+    """(train file, val file or None) of a token source."""
+    p = Path(source).expanduser()
+    if p.is_file():
+        return p, None
+    for s in TOKEN_SUFFIXES:
+        if (p / f"train{s}").is_file():
+            val = p / f"val{s}"
+            return p / f"train{s}", val if val.is_file() else None
+    raise CemtoolError(f"folder {p} holds neither train.bin nor train.npy")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# one file
+
+
+def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, int]:
+    """Memory-map one token file read-only: ((N,) integer ids, byte offset of the first id in the file)."""
+    if path.suffix.lower() == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise CemtoolError(f"{path} is not a NumPy array of token ids: {str(e).splitlines()[0][:200]}",
+                               hint="save it with numpy.save(path, ids) from an integer array") from None
+        if arr.dtype.kind not in "iu":
+            raise CemtoolError(f"{path} holds {arr.dtype} values, not integer token ids")
+        if arr.ndim > 1 and not arr.flags.c_contiguous:
+            raise CemtoolError(f"{path} is stored in Fortran order", hint="save it in C order (numpy's default)")
+        offset = arr.offset if isinstance(arr, np.memmap) else 0
+        return arr.reshape(-1), offset
+    dtype = np.dtype(token_dtype).newbyteorder("<")
+    size = path.stat().st_size
+    if size % dtype.itemsize:
+        raise CemtoolError(f"{path} has {size:,} bytes, not a multiple of {dtype.itemsize} ({token_dtype}): it is "
+                           f"not a flat {token_dtype} token file",
+                           hint="set data.token_dtype to the dtype it was written with (nanoGPT: uint16)")
+    if size == 0:
+        raise CemtoolError(f"token file {path} is empty")
+    return np.memmap(path, dtype=dtype, mode="r"), 0
+
+
+def chunks(path: Path, offset: int, dtype: np.dtype, count: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(index of the first id, ids) over a token file, read into one reused buffer (not through the memmap, whose
+    pages would stay resident)."""
+    buf = np.empty(min(SCAN_TOKENS, max(count, 1)), dtype=dtype)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        done = 0
+        while done < count:
+            n = min(len(buf), count - done)
+            got = f.readinto(buf[:n].view(np.uint8)) // dtype.itemsize
+            if got < n:
+                raise CemtoolError(f"{path} is shorter than its header says (truncated?)")
+            yield done, buf[:n]
+            done += n
+
+
+def check_ids(path: Path, arr: np.ndarray, offset: int, limit: int | None, what: str) -> int:
+    """Read every id once in chunks; refuse negative ids and ids >= ``limit`` (one line naming the first one and
+    its position). Returns the largest id."""
+    hi = -1
+    for start, ids in chunks(path, offset, arr.dtype, len(arr)):
+        bad = (ids < 0) | (ids >= limit) if limit is not None else ids < 0
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            where = f"token id {int(ids[i])} at position {start + i:,} of {path}"
+            if ids[i] < 0:
+                raise CemtoolError(f"{where} is negative", hint="check data.token_dtype")
+            raise CemtoolError(f"{where} is outside the vocabulary of {what} (ids 0..{limit - 1})",
+                               hint="use the tokenizer the file was made with (data.tokenizer=path/to/"
+                                    "tokenizer.json) or check data.token_dtype")
+        hi = max(hi, int(ids.max()))
+    return hi
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tokenizers for token files
+
+
+def id_tokenizer(vocab_size: int) -> Tokenizer:
+    """Ids alone: token i is the text ``<i>`` (whitespace-separated); any other text encodes to nothing, so a probe
+    word is never mistaken for an id."""
+    vocab = {f"<{i}>": i for i in range(vocab_size)}
+    hf = HFTokenizer(models.BPE(vocab, [], ignore_merges=True))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return Tokenizer(hf, "ids")
+
+
+def hf_tokenizer(path: str | Path) -> Tokenizer:
+    """A Hugging Face ``tokenizer.json`` (e.g. GPT-2's) or a cemtool run's tokenizer.json, as a cemtool tokenizer."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise CemtoolError(f"tokenizer file {p} does not exist", hint="data.tokenizer takes auto, word, byte, bpe or "
+                                                                      "the path of a tokenizer.json")
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CemtoolError(f"tokenizer file {p} is not JSON: {str(e).splitlines()[0][:200]}") from None
+    if isinstance(data, dict) and "cemtool_kind" in data:
+        return load_tokenizer(p)
+    try:
+        return Tokenizer(HFTokenizer.from_str(json.dumps(data)), "hf")
+    except Exception as e:  # tokenizers raises plain Exception
+        raise CemtoolError(f"{p} is not a Hugging Face tokenizer.json: {str(e).splitlines()[0][:200]}") from None
+
+
+def is_tokenizer_file(name: str) -> bool:
+    return name.lower().endswith(".json")
+
+
+def _named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
+    """The tokenizer data.tokenizer names for token files; None = ids alone (auto)."""
+    if is_tokenizer_file(cfg.tokenizer):
+        return hf_tokenizer(cfg.tokenizer)
+    if cfg.tokenizer == "byte":
+        return byte_tokenizer()
+    if cfg.tokenizer == "auto":
+        return None
+    raise CemtoolError(f"data.tokenizer={cfg.tokenizer} does not apply to pretokenised token files",
+                       hint="use auto (ids alone), byte, or the tokenizer.json the files were made with")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the corpus
+
+
+def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None):
+    """The corpus of a token source. ``tokenizer``: reuse a run's; ``vocab_size``: check the ids against this
+    (a model's vocabulary) instead of the tokenizer's."""
+    from cemtool.data.corpus import Corpus, _split
+
+    train_f, val_f = token_files(cfg.source)
+    files = {"train": open_tokens(train_f, cfg.token_dtype)}
+    if val_f is not None:
+        files["val"] = open_tokens(val_f, cfg.token_dtype)
+    tok = tokenizer or _named_tokenizer(cfg)
+    limit = vocab_size or (tok.vocab_size if tok is not None else None)
+    what = f"size {limit}" if vocab_size else f"the {tok.kind} tokenizer" if tok is not None else ""
+    hi = max(check_ids(p, *files[s], limit, what) for s, p in (("train", train_f), ("val", val_f)) if s in files)
+    if tok is None:
+        tok = id_tokenizer(hi + 1)
+    train = files["train"][0]
+    if val_f is None:
+        if len(train) < 2:
+            raise CemtoolError(f"token file {train_f} holds fewer than 2 tokens")
+        train, val = _split(train, cfg.val_fraction)
+    else:
+        val = files["val"][0]
+    root = Path(cfg.source).expanduser()
+    info = {"source": str(root.resolve()), "format": train_f.suffix.lower().lstrip("."),
+            "dtype": str(train.dtype), "train_file": str(train_f.resolve()),
+            "val_file": str(val_f.resolve()) if val_f is not None else None,
+            "val_split": "val file" if val_f is not None else f"last {cfg.val_fraction:g} of train",
+            "tokens": int(len(train) + len(val)), "train_tokens": int(len(train)), "val_tokens": int(len(val)),
+            "max_token_id": hi, "tokenizer": tok.kind, "vocab_size": tok.vocab_size}
+    return Corpus(root.name, tok, train, val, info=info)
