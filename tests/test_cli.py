@@ -191,3 +191,25 @@ def test_resume_run_with_newer_config_schema(tmp_path, tiny_run):
     (run / "meta.json").write_text(json.dumps(meta))
     one_line_error(invoke("train", "--resume", str(run), "--quiet"), 1, "schema_version 99", "newer")
     assert json.loads((run / "config.json").read_text())["schema_version"] == 99
+
+
+def test_one_spelling_of_no_plots_in_every_command():
+    import typer.main
+
+    group = typer.main.get_command(app)
+    visible = {name: [o for p in cmd.params if not getattr(p, "hidden", False) for o in p.opts + p.secondary_opts]
+               for name, cmd in group.commands.items()}
+    assert not [n for n, opts in visible.items() if "--no-plot" in opts]
+    assert {"sharpness", "collapse-report"} <= {n for n, opts in visible.items() if "--no-plots" in opts}
+    sharp = group.commands["sharpness"]
+    hidden = [o for p in sharp.params if getattr(p, "hidden", False) for o in p.opts]
+    assert "--no-plot" in hidden  # the old spelling still works
+
+
+def test_train_help_lists_every_data_source():
+    from cemtool.data.corpus import sources
+
+    res = runner.invoke(app, ["train", "--help"], env={"COLUMNS": "250"})
+    assert res.exit_code == 0
+    for s in sources():
+        assert f"'{s}'" in res.output, s

@@ -144,7 +144,8 @@ def sharpness(
                                         "20-HVP trace, 7-point slice")] = False,
     name: Annotated[Optional[str], typer.Option(help="report name (default sharpness, or sharpness-<params> for a "
                                                 "subset; sharpness_pyhessian for --backend pyhessian)")] = None,
-    plot: Annotated[bool, typer.Option(help="write figures to plots/ (default on)")] = True,
+    plot: Annotated[bool, typer.Option("--plots/--no-plots", help="write figures to plots/ (default on)")] = True,
+    no_plot: Annotated[bool, typer.Option("--no-plot", hidden=True, help="old spelling of --no-plots")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
 ) -> None:
@@ -197,7 +198,7 @@ def sharpness(
     report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
     payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
     figures = []
-    if plot:
+    if plot and not no_plot:
         from cemtool.plots.sharpness import plot_sharpness
 
         figures = plot_sharpness(payload, loaded.run.plots, prefix=report_name)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from cemtool.cli import console
 from cemtool.cli.app import app
@@ -68,12 +69,26 @@ def default_out(arch: str, seed: int) -> Path:
     return Path("runs") / f"{arch}-s{seed}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-@app.command()
+class TrainCommand(TyperCommand):
+    """``train``'s help lists the data sources registered in :mod:`cemtool.data.corpus` (filled in when the help is
+    shown: importing the sources needs torch, which other commands' start-up should not pay for)."""
+
+    def format_help(self, ctx, formatter):
+        from cemtool.data.corpus import sources
+
+        for p in self.params:
+            if p.name == "data":
+                p.help = (f"{', '.join(repr(s) for s in sources())} (a registered source; default 'grammar'), or a "
+                          ".txt file / folder of .txt files")
+        return super().format_help(ctx, formatter)
+
+
+@app.command(cls=TrainCommand)
 @guarded
 def train(
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="architecture (see `cemtool archs`); "
                                                  "default baseline")] = None,
-    data: Annotated[Optional[str], typer.Option("--data", "-d", help="'grammar' (default), 'pydoc', or a .txt "
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="a registered source (see --help) or a .txt "
                                                 "file / folder of .txt files")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML or JSON config file")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value "
