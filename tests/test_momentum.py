@@ -76,9 +76,48 @@ def test_matrix_layout_follows_the_heads_of_each_layer():
 def test_stream_embeddings_exist_only_with_embed_init():
     for v in STREAM_VARIANTS:
         e = build(v, init="embed").num_params()["total"] - build(v, init="zero").num_params()["total"]
-        n_embedded = {"hb": 1, "nesterov": 1, "tmm": 1, "adam": 2, "adamw": 2, "rmsprop": 1, "muon": 1, "ortho": 0,
+        n_embedded = {"hb": 1, "nesterov": 1, "tmm": 1, "adam": 1, "adamw": 1, "rmsprop": 0, "muon": 1, "ortho": 0,
                       "soap": 1, "shampoo": 0}[v]
         assert e == n_embedded * (V + T) * 16, v
+
+
+# the reference's parameter count, written from METHODS §3 (not from the model code): the backbone (tied head,
+# RMSNorm weights only, no biases), then per substep (2 per layer) its learned scalars and the d weights of its
+# stream norm (LN_v or LN_u), then with stream_init=embed one token + position table per embedded stream: v
+# (hb, nesterov, tmm) or m (adam, adamw, muon, soap). s starts at ones and R at I: no table in either mode.
+REF_SCALARS = {"hb": 2, "nesterov": 3, "tmm": 4, "adam": 3, "adamw": 4, "rmsprop": 2, "muon": 2, "ortho": 1,
+               "soap": 3, "shampoo": 2}  # beta, gamma | mu, beta, gamma | + nu | b1, b2, gamma | + lambda | ...
+REF_TABLES = {"hb": 1, "nesterov": 1, "tmm": 1, "adam": 1, "adamw": 1, "rmsprop": 0, "muon": 1, "ortho": 0,
+              "soap": 1, "shampoo": 0}
+
+
+def reference_params(variant: str, *, d: int, n_layers: int, vocab: int, seq_len: int, mlp: str, pos: str,
+                     init: str) -> int:
+    hidden = 4 * d if mlp == "gelu" else 16 * round(8 * d / 3 / 16)  # swiglu: nearest multiple of 16 to 8d/3
+    block = 4 * d * d + (2 if mlp == "gelu" else 3) * d * hidden + 2 * d  # Q, K, V, O; MLP; two norms
+    backbone = vocab * d + (seq_len * d if pos == "learned" else 0) + n_layers * block + d  # + final norm
+    if variant == "vanilla":
+        return backbone
+    tables = REF_TABLES[variant] * (vocab + seq_len) * d if init == "embed" else 0
+    return backbone + 2 * n_layers * (REF_SCALARS[variant] + d) + tables
+
+
+@pytest.mark.parametrize("init", ["embed", "zero"])
+@pytest.mark.parametrize("backbone", [dict(d=32, n_layers=3, vocab=36, seq_len=16, mlp="gelu", pos="learned"),
+                                      dict(d=16, n_layers=2, vocab=V, seq_len=T, mlp="swiglu", pos="rope")])
+def test_parameter_counts_match_the_reference_formula(backbone, init):
+    """Every variant's parameter count is the reference's closed form; with the reference backbone (GELU MLP,
+    learned positions, d=32, 3 layers, vocab + seq_len = 52) adam has 40,626 parameters (42,290 while s had a
+    table of its own)."""
+    b = backbone
+    for v in VARIANTS:
+        cfg = resolve(arch=v, overrides=[f"model.d_model={b['d']}", "model.n_head=2", f"model.n_layer={b['n_layers']}",
+                                         f"model.mlp={b['mlp']}", f"model.pos={b['pos']}",
+                                         f"model.momentum.stream_init={init}"])
+        model = build_model(replace(cfg.model, vocab_size=b["vocab"], max_seq_len=b["seq_len"]))
+        assert model.num_params()["total"] == reference_params(v, **b, init=init), v
+    if b["mlp"] == "gelu":
+        assert reference_params("adam", **b, init="embed") == 40_626
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -275,7 +314,7 @@ def test_first_substep_with_embedded_streams_matches_the_formula(arch):
         want = x + k["gamma"] * step.ln_u(newton_schulz(m.view(2, T, 2, 8), 5).reshape(2, T, 16))
     else:
         g = O(x)
-        s = k["beta2"] * torch.nn.functional.softplus(math.log(math.e - 1) + emb["s"]) + (1 - k["beta2"]) * g**2
+        s = k["beta2"] + (1 - k["beta2"]) * g**2  # s starts at ones, also with embedded streams
         m = g if arch == "rmsprop" else k["beta1"] * emb["m"] + (1 - k["beta1"]) * g
         decay = 1 - k["lambda"] if arch == "adamw" else 1
         want = decay * x + k["gamma"] * step.ln_u(m / (s.sqrt() + 1e-8))

@@ -29,10 +29,9 @@ Choices made here (METHODS leaves them open; each is also stated where it is imp
   uniform allocation); the MLP substep uses (n_head, d/n_head). soap/shampoo carry R (d_h x d_h) across layers and
   substeps, so they use the model-wide (n_head, d/n_head) everywhere. See :func:`matrix_layout`.
 - Stream init "embed": v and m (also soap's M) start from their own learned token + position embeddings; s starts
-  from softplus(log(e - 1) + token + position embedding), positive and = 1 at zero embedding (so it matches
-  "s starts at ones"); R starts at the identity in both modes (an SPD d_h x d_h table per token would cost
-  d_h^2 parameters per vocabulary entry, and METHODS states R starts at I). "zero": v, m = 0, s = 1, R = I.
-  So shampoo and ortho have no extra parameters in either mode.
+  at ones and R at the identity in both modes, as in the reference implementation (METHODS: "s starts at ones",
+  "R starts at I"; a table for s would add (V + T) d parameters the reference does not have). "zero": v, m = 0,
+  s = 1, R = I. So rmsprop, shampoo and ortho have no extra parameters in either mode.
 - soap/shampoo preconditioner math (R update, Newton iterations) runs in at least float32, outside autocast.
 """
 
@@ -78,7 +77,7 @@ STREAMS: dict[str, tuple[str, ...]] = {
     "hb": ("v",), "nesterov": ("v",), "tmm": ("v",), "adam": ("m", "s"), "adamw": ("m", "s"), "rmsprop": ("s",),
     "muon": ("m",), "ortho": (), "soap": ("m", "R"), "shampoo": ("R",),
 }
-EMBEDDED = ("v", "m", "s")  # streams that get learned token + position embeddings with stream_init="embed"
+EMBEDDED = ("v", "m")  # streams that get learned token + position embeddings with stream_init="embed"
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 ADAM_EPS = 1e-8
@@ -317,7 +316,7 @@ class MomentumLM(LM):
         return MomentumBlock(self.cfg, i)
 
     def init_streams(self, idx: torch.Tensor, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The streams entering layer 0: embeddings ('embed') or v, m = 0, s = 1; R = I in both modes."""
+        """The streams entering layer 0: v, m from embeddings ('embed') or 0; s = 1 and R = I in both modes."""
         out = {}
         for n in STREAMS[self.variant]:
             if n == "R":
@@ -325,8 +324,7 @@ class MomentumLM(LM):
                 dtype = torch.promote_types(x.dtype, torch.float32)
                 out[n] = torch.eye(dh, dtype=dtype, device=x.device).expand(1, 1, dh, dh)  # (1, 1, d_h, d_h)
             elif n in self.stream_emb:
-                e = self.stream_emb[n](idx).to(x.dtype)  # (B, T, d)
-                out[n] = F.softplus(SOFTPLUS_ONE + e) if n == "s" else e  # s > 0, = 1 at e = 0
+                out[n] = self.stream_emb[n](idx).to(x.dtype)  # (B, T, d)
             else:
                 out[n] = torch.ones_like(x) if n == "s" else torch.zeros_like(x)  # (B, T, d)
         return out
