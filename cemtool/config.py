@@ -4,7 +4,8 @@ A run is fully described by a :class:`RunConfig`. It is built in layers, each ov
 
 1. the dataclass defaults below,
 2. the preset of the chosen architecture (``cemtool.models.registry``), e.g. ``cem-rec2`` sets ``model.cem.steps=2``,
-3. a TOML or JSON config file (``--config``),
+3. TOML or JSON config files (``--config``, repeatable: composed in order, a later file overriding an earlier
+   one key by key),
 4. ``--set section.key=value`` overrides (dotted paths, nested: ``model.cem.steps=2``).
 
 Every field carries its documentation (``help``) and its allowed values in the dataclass metadata;
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,14 +248,15 @@ def _coerce(path: str, value: Any, tp: Any) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise bad
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise bad from None
-        raise bad
+        try:
+            f = float(value) if isinstance(value, (int, float, str)) else None
+        except (ValueError, OverflowError):
+            raise bad from None
+        if f is None:
+            raise bad
+        if not math.isfinite(f):
+            raise ConfigError(f"{path}={value!r} is not allowed: must be a finite number")
+        return f
     if tp is str:
         if isinstance(value, str):
             return value
@@ -369,13 +372,26 @@ def check_schema(data: dict, source: str) -> None:
                           f"({SCHEMA_VERSION})", hint="upgrade cemtool")
 
 
-def resolve(arch: str | None = None, file: str | Path | None = None, overrides: list[str] | tuple = (),
-            seed: int | None = None, data_source: str | None = None) -> RunConfig:
-    """Build the run config from defaults, the architecture preset, a file and --set overrides."""
+def load_files(files: str | Path | list | tuple | None) -> dict:
+    """Read config files and compose them in order: a later file overrides an earlier one key by key (nested
+    sections merge; a key a later file does not name keeps the earlier value)."""
+    if files is None:
+        return {}
+    out: dict = {}
+    for f in [files] if isinstance(files, (str, Path)) else files:
+        data = load_file(f)
+        check_schema(data, str(f))
+        out = merge(out, data)
+    return out
+
+
+def resolve(arch: str | None = None, file: str | Path | list | tuple | None = None,
+            overrides: list[str] | tuple = (), seed: int | None = None, data_source: str | None = None) -> RunConfig:
+    """Build the run config from defaults, the architecture preset, config file(s) and --set overrides.
+    ``file`` may be a list: the files are composed in order (:func:`load_files`)."""
     from cemtool.models.registry import get_arch  # models register presets; avoid an import cycle
 
-    file_data = load_file(file) if file else {}
-    check_schema(file_data, str(file))
+    file_data = load_files(file)
     set_data: dict = {}
     for item in overrides:
         set_data = merge(set_data, parse_override(item))
@@ -404,8 +420,8 @@ def validate(cfg: RunConfig) -> RunConfig:
         v = getattr(m, name)
         if v and len(v) != m.n_layer:
             raise ConfigError(f"model.{name} has {len(v)} entries, expected model.n_layer={m.n_layer}")
-        if any(x < 1 for x in v):
-            raise ConfigError(f"model.{name}={list(v)} must hold positive integers")
+        if any(x < 1 or x > MAX_WIDTH for x in v):
+            raise ConfigError(f"model.{name}={list(v)} must hold integers from 1 to {MAX_WIDTH}")
     tok = cfg.data.tokenizer
     if tok not in ("auto", "word", "byte", "bpe") and not tok.lower().endswith(".json"):
         raise ConfigError(f"data.tokenizer={tok!r} is not allowed: choose one of auto, word, byte, bpe, or the path "

@@ -113,7 +113,8 @@ def _list_archs(only: list[str] | None, json_: bool) -> None:
 @guarded
 def config(
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="architecture whose preset to apply")] = None,
-    file: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML or JSON config file")] = None,
+    file: Annotated[Optional[list[Path]], typer.Option("--config", "-c", help="TOML or JSON config file; "
+                                                        "repeatable: composed in order, later keys win")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override section.key=value")] = None,
     fields: Annotated[bool, typer.Option("--fields", help="document every field instead")] = False,
 ) -> None:
@@ -125,3 +126,6 @@ def config(
                       [list(r) for r in describe_fields()])
         return
     console.print_json(to_dict(resolve(arch=arch, file=file, overrides=set_ or [])))
+    if file and len(file) > 1:
+        console.info(f"config: composed {' then '.join(map(str, file))} (a later file overrides an earlier one key "
+                     f"by key; --set overrides them all)")

@@ -90,7 +90,9 @@ def train(
                                                  "default baseline")] = None,
     data: Annotated[Optional[str], typer.Option("--data", "-d", help="a registered source (see --help) or a .txt "
                                                 "file / folder of .txt files")] = None,
-    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="TOML or JSON config file")] = None,
+    config: Annotated[Optional[list[Path]], typer.Option("--config", "-c", help="TOML or JSON config file; "
+                                                          "repeatable: composed in order, a later file overriding "
+                                                          "an earlier one key by key")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="override: section.key=value "
                                                       "(repeatable), e.g. train.max_steps=500")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="run directory; default "
@@ -133,6 +135,9 @@ def train(
         writer = run if rank == 0 else None
     else:
         cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
+        if config and len(config) > 1:
+            console.info(f"config: composed {' then '.join(map(str, config))} (a later file overrides an earlier "
+                         f"one key by key; --set overrides them all)", quiet)
         if world > 1 and out is None:
             raise CemtoolError("under torchrun give --out so that every process agrees on the run directory")
         out = out or default_out(cfg.model.arch, cfg.seed)
