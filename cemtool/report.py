@@ -10,10 +10,12 @@ import csv
 import io
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cemtool.runs import atomic_write_json, atomic_write_text, now, versions
+from cemtool.errors import CemtoolError
+from cemtool.runs import atomic_write_json, atomic_write_text, now, read_json, safe_name, versions
 
 
 def provenance(run_path: str | Path | None = None, *, seed: int | None = None, checkpoint: str | None = None,
@@ -23,6 +25,109 @@ def provenance(run_path: str | Path | None = None, *, seed: int | None = None, c
            "seed": seed, "versions": versions(), "created": now()}
     out.update(extra)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# named reports: one rule for every analysis
+
+
+KIND_OF = {"collapse-report": "collapse", "saturation sweep": "saturation_sweep"}  # provenance command -> kind
+KINDS = ("sharpness", "collapse_compare", "collapse", "saturation_sweep", "saturation", "forgetting", "compare",
+         "demo")  # longest first where one starts another
+NOT_SETTINGS = ("device", "batch_size")  # options that do not change what a report measures
+
+
+def report_kind(stem: str, report: Any) -> str | None:
+    """The analysis a report holds: from its provenance (``analysis``, else ``command``), else from its file name
+    (``sharpness-layer-0`` -> sharpness); None when neither tells. A collapse report over several runs is
+    ``collapse_compare``."""
+    prov = report.get("provenance") if isinstance(report, dict) else None
+    prov = prov if isinstance(prov, dict) else {}
+    kind = prov.get("analysis") or KIND_OF.get(prov.get("command"), prov.get("command"))
+    if kind == "collapse" and len(report.get("runs") or []) > 1:
+        kind = "collapse_compare"
+    if kind in KINDS:
+        return kind
+    return next((k for k in KINDS if stem == k or stem.startswith((k + "_", k + "-"))), None)
+
+
+def report_options(report: Any) -> dict:
+    """The settings a report was measured with: its provenance ``options`` (collapse, saturation) or its own
+    ``options`` (sharpness), the fine-tuning ``recipe`` (forgetting), plus the checkpoint, the evaluation tokens and
+    the window length where the report records them."""
+    if not isinstance(report, dict):
+        return {}
+    prov = report.get("provenance") if isinstance(report.get("provenance"), dict) else {}
+    opts = prov.get("options") or report.get("options") or report.get("recipe") or {}
+    out = dict(opts) if isinstance(opts, dict) else {}
+    for key in ("tokens", "seq_len"):
+        if key not in out and isinstance(report.get(key), int):
+            out[key] = report[key]
+    if prov.get("backend"):
+        out["backend"] = prov["backend"]
+    if "checkpoint" not in out and isinstance(prov.get("checkpoint"), str):
+        out["checkpoint"] = Path(prov["checkpoint"]).name
+    return out
+
+
+@dataclass
+class NamedReport:
+    """One ``reports/<name>.json``: its name, the analysis it holds, its settings, its content (None when it
+    cannot be read, with ``problem`` saying why)."""
+
+    name: str
+    kind: str | None
+    path: Path
+    options: dict
+    report: dict | None
+    problem: str | None = None
+
+
+def named_reports(folder: str | Path, kind: str | None = None) -> list[NamedReport]:
+    """Every report in ``<folder>/reports`` (a run's, or a sweep's), by name, whatever name it was written under
+    (``sharpness --name``, ``collapse-report --name``, ...); ``kind`` keeps one analysis (see :func:`report_kind`).
+    """
+    d = Path(folder) / "reports"
+    out = []
+    for path in sorted(d.glob("*.json")) if d.is_dir() and not d.is_symlink() else []:
+        try:
+            rep = read_json(path, "report")
+            problem = None if isinstance(rep, dict) else "not a JSON object"
+        except CemtoolError as e:
+            rep, problem = None, e.message
+        rep = rep if problem is None else None
+        r = NamedReport(path.stem, report_kind(path.stem, rep) if rep else report_kind(path.stem, {}), path,
+                        report_options(rep), rep, problem)
+        if kind is None or r.kind == kind:
+            out.append(r)
+    return out
+
+
+def mismatched_settings(options: dict[str, dict]) -> dict[str, dict[str, list[str]]]:
+    """Settings that differ between reports (``options``: who -> report_options), except those in NOT_SETTINGS:
+    setting -> {value as JSON: [who, ...]}; {} when all agree."""
+    keys = sorted({k for o in options.values() for k in o} - set(NOT_SETTINGS))
+    out = {}
+    for k in keys:
+        by_value: dict[str, list[str]] = {}
+        for who, o in options.items():
+            by_value.setdefault(json.dumps(o.get(k), sort_keys=True, default=str), []).append(who)
+        if len(by_value) > 1:
+            out[k] = by_value
+    return out
+
+
+def mismatch_text(mismatch: dict[str, dict[str, list[str]]], limit: int = 3) -> str:
+    """'tokens: 1024 (a, b), 2048 (c); seq_len: ...' for a note."""
+    parts = []
+    for k, by_value in mismatch.items():
+        vals = [f"{v} ({', '.join(w[:limit])}{' ...' if len(w) > limit else ''})" for v, w in by_value.items()]
+        parts.append(f"{k}: {', '.join(vals)}")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tables
 
 
 def csv_text(rows: list[dict]) -> str:
@@ -50,7 +155,7 @@ def _cell(v: Any) -> Any:
 def write_report(reports_dir: str | Path, name: str, payload: dict, rows: list[dict] | None = None) -> dict:
     """Write reports/<name>.json (payload) and, if given, reports/<name>.csv (rows). Returns the paths."""
     d = Path(reports_dir)
-    paths = {"json": d / f"{name}.json"}
+    paths = {"json": d / f"{safe_name(name)}.json"}
     atomic_write_json(paths["json"], payload)
     if rows is not None:
         paths["csv"] = d / f"{name}.csv"

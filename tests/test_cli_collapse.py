@@ -31,13 +31,14 @@ def test_one_run(runs):
     res = CliRunner().invoke(app, ["collapse-report", str(base), "--tokens", "512", "--per-class", "40", "-q",
                                    "--no-plots"])
     assert res.exit_code == 0, res.output
-    assert "collapse" in res.output and "most frequent" in res.output  # byte tokenizer: frequent-token probe
+    assert "collapse" in res.output and "skipped" in res.output  # byte tokenizer: no whole-word tokens
     rep = json.loads((base / "reports" / "collapse.json").read_text())
     (run,) = rep["runs"]
     assert run["arch"] == "baseline" and run["collapse"]["tokens"] == 512
     assert run["routing"].startswith("not applicable") and run["stream_scalars"].startswith("not applicable")
     layer = run["collapse"]["layers"][0]
-    assert layer["probe"]["hidden"]["k"] == 4 and 0.0 <= layer["probe"]["hidden"]["accuracy"] <= 1.0
+    assert layer["probe"]["hidden"].startswith("not applicable") and "whole-word" in layer["probe"]["hidden"]
+    assert run["collapse"]["probe_classes"]["counts"] == [0, 0, 0, 0]
     assert len(layer["attention"]["curves"]["entropy"][0]) == 16
     csv = (base / "reports" / "collapse.csv").read_text().splitlines()
     assert csv[0].startswith("run,arch,layer,head,measure") and len(csv) > 20
@@ -74,3 +75,39 @@ def test_bad_input(runs, tmp_path):
     assert res.exit_code == 1 and "fewer than one window" in res.output
     res = r.invoke(app, ["collapse-report"])
     assert res.exit_code == 2
+
+
+def test_named_reports_keep_each_setting(runs):
+    base, _ = runs
+    r = CliRunner()
+    args = ["collapse-report", str(base), "--tokens", "256", "--per-class", "16", "-q", "--no-plots"]
+    assert r.invoke(app, args).exit_code == 0
+    res = r.invoke(app, [*args[:3], "512", *args[4:], "--name", "collapse-512", "--alpha", "1"])
+    assert res.exit_code == 0, res.output
+    first = json.loads((base / "reports" / "collapse.json").read_text())
+    second = json.loads((base / "reports" / "collapse-512.json").read_text())
+    assert first["provenance"]["options"]["tokens"] == 256 and first["runs"][0]["collapse"]["tokens"] == 256
+    assert second["provenance"]["options"]["tokens"] == 512 and second["provenance"]["options"]["alpha"] == 1
+    assert second["provenance"]["name"] == "collapse-512"
+    from cemtool.report import named_reports
+
+    found = {n.name: n for n in named_reports(base, kind="collapse")}
+    assert {"collapse", "collapse-512"} <= set(found) and found["collapse-512"].options["min_per_class"] == 16
+    res = r.invoke(app, [*args, "--name", "../../escape"])
+    assert res.exit_code == 1 and res.output.count("Error:") == 1 and not (base.parent / "escape.json").exists()
+    res = r.invoke(app, [*args, "--min-per-class", "32"])
+    assert res.exit_code == 2 and "--min-per-class" in res.output  # --per-class 16 could never reach it
+
+
+def test_defaults_match_the_api_and_the_device_is_auto():
+    import inspect
+
+    from cemtool.analysis.collapse import MIN_PER_CLASS, measure_run
+    from cemtool.cli.collapse_cmd import collapse_report_cmd
+
+    cli = {k: v.default for k, v in inspect.signature(collapse_report_cmd).parameters.items()}
+    api = inspect.signature(measure_run).parameters
+    for k in ("checkpoint", "tokens", "seq_len", "batch_size", "alpha", "words", "k", "folds", "per_class",
+              "min_per_class", "seed"):
+        assert api[k].default == cli[k], k  # every option has the command's default (docs/api.md: optional)
+    assert cli["min_per_class"] == MIN_PER_CLASS and cli["device"] == "auto"

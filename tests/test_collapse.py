@@ -121,14 +121,80 @@ def test_probe_separable_features_and_shuffled_labels():
 
 def test_probe_classes_words_fallback_and_errors():
     tok = word_tokenizer(["the", "is", "are", "was", "were", "dog"])
-    c = probe_classes(tok, np.array([0, 1, 2]))
+    x = np.tile(np.arange(6), (4, 5))  # (4, 30): every word 20 times
+    c = probe_classes(tok, x)
     assert c.source == "words" and c.names == ["is", "are", "was", "were"] and c.ids == [[1], [2], [3], [4]]
-    byte = byte_tokenizer()
-    tokens = np.array([97] * 5 + [98] * 4 + [99] * 3 + [100] * 2 + [101])
-    c = probe_classes(byte, tokens, k=3, vocab_size=256)
-    assert c.source == "frequent" and [i[0] for i in c.ids] == [97, 98, 99] and "not all single tokens" in c.note
+    assert c.counts == [20] * 4 and c.continues == [] and c.skipped is None  # word-level: the last column counts
     with pytest.raises(CemtoolError, match="not single tokens"):
-        probe_classes(tok, tokens, words=["is", "horse"])
+        probe_classes(tok, x, words=["is", "horse"])
+
+
+# a corpus where byte-level BPE writes ' is' as one token but 'is' also ends th|is and Par|is, and ' island' is
+# ' is' + 'la' + 'n' + 'd' (the issue's artefact: those pieces were counted as the word "is")
+BPE_WORDS = "this Paris Clare island is is is are are was were the the a cat sat".split()
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    import random
+
+    from cemtool.data.tokenizer import train_bpe
+
+    rng = random.Random(0)
+    text = " ".join(rng.choice(BPE_WORDS) for _ in range(3000)) + "."
+    tok = train_bpe(iter([text]), 266)
+    ids = tok.encode(text)
+    x = np.array(ids[: len(ids) // 50 * 50]).reshape(-1, 50)  # (n, 50)
+    return tok, x
+
+
+def whole_word_truth(tok, x, word: str) -> int:
+    """Occurrences of ' word' followed by a character that is no letter or digit, counted in each window's text
+    (a word cut by the window's end is not counted: its end is unknown)."""
+    import re
+
+    return sum(len(re.findall(rf" {word}(?=[^A-Za-z0-9])", tok.decode(row.tolist()))) for row in x)
+
+
+def test_probe_classes_are_whole_words_at_a_word_start_on_bpe(bpe):
+    tok, x = bpe
+    bare, start = tok.encode("is"), tok.encode(" is")
+    assert len(bare) == 1 and len(start) == 1 and bare != start
+    assert bare[0] in x[:, 1:] and tok.encode(" island")[0] == start[0]  # the pieces the probe must not take
+    c = probe_classes(tok, x, words=["is", "are"], min_count=2)
+    assert c.ids == [start, tok.encode(" are")]  # not the bare piece inside th|is, Par|is
+    assert c.counts == [whole_word_truth(tok, x, "is"), whole_word_truth(tok, x, "are")]
+    assert c.counts[0] < int((x == start[0]).sum())  # ' is' + 'land' was taken out
+    lab = c.whole_words(torch.from_numpy(x), tok.vocab_size)
+    assert [int((lab == k).sum()) for k in range(2)] == c.counts
+
+
+def test_probe_falls_back_to_frequent_whole_words_or_skips_with_the_counts(bpe):
+    tok, x = bpe
+    assert len(tok.encode(" were")) > 1  # the default words are not all word-start tokens here
+    c = probe_classes(tok, x, k=3, min_count=16)
+    assert c.source == "frequent" and len(c.names) == 3 and "'were': 0" in c.note and c.skipped is None
+    for name, ids, n in zip(c.names, c.ids, c.counts, strict=True):
+        assert ids == tok.encode(" " + name) and n == whole_word_truth(tok, x, name) >= 16
+    rare = probe_classes(tok, x, words=["is", "are"], min_count=10**6)  # the user's words: never replaced
+    assert rare.source == "words" and rare.skipped and "fewer than 1000000" in rare.skipped
+    model = tiny(vocab=tok.vocab_size, T=50, dtype=torch.float32)
+    rep = collapse_report(model, torch.from_numpy(x[:4]), classes=rare, folds=2, per_class=16)
+    assert rep["layers"][0]["probe"]["hidden"].startswith("not applicable: a probe class occurs fewer")
+    assert rep["probe_classes"]["counts"] == rare.counts and rep["probe_classes"]["skipped"] == rare.skipped
+    none = probe_classes(byte_tokenizer(), np.frombuffer(b"this is a test. " * 40, dtype=np.uint8).astype(int))
+    assert none.skipped and "fewer than 2 other whole-word tokens" in none.skipped  # bytes are no words
+
+
+def test_probe_uses_only_whole_word_samples_and_reports_them(bpe):
+    tok, x = bpe
+    c = probe_classes(tok, x, words=["is", "are"], min_count=8)
+    model = tiny(vocab=tok.vocab_size, T=50, dtype=torch.float32)
+    rep = collapse_report(model, torch.from_numpy(x), classes=c, folds=2, per_class=1000, batch_size=64)
+    assert rep["probe_classes"]["per_class"] == min(c.counts)
+    assert rep["layers"][0]["probe"]["hidden"]["n"] == 2 * min(c.counts)
+    with pytest.raises(CemtoolError, match="below the probe's minimum"):
+        collapse_report(model, torch.from_numpy(x), classes=c, folds=2, per_class=4)
 
 
 # -- attention rows ---------------------------------------------------------------------------------------------

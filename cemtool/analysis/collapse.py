@@ -217,12 +217,21 @@ def _jsonable(a: np.ndarray) -> list:
 
 @dataclass
 class ProbeClasses:
-    """The k classes of the probe: each a name and the token ids that count as that word."""
+    """The k classes of the probe: each a word and the one token the tokenizer writes for it at a word start.
+
+    ``counts``: whole-word occurrences of each class in the evaluation inputs (the word-start token not followed
+    by a token that continues the word); ``continues``: the token ids of the inputs that glue onto the token
+    before them (a word's continuation, e.g. ``land`` after `` is``). ``skipped``: why the probe is not run (fewer
+    than ``min_count`` occurrences of a class, or no whole-word tokens), else None."""
 
     names: list[str]
     ids: list[list[int]]
     source: str  # "words" or "frequent"
     note: str = ""
+    counts: list[int] = field(default_factory=list)
+    min_count: int = 0
+    continues: list[int] = field(default_factory=list)
+    skipped: str | None = None
 
     def lookup(self, vocab_size: int) -> torch.Tensor:
         lut = torch.full((vocab_size,), -1, dtype=torch.long)
@@ -230,40 +239,112 @@ class ProbeClasses:
             lut[torch.tensor(ids, dtype=torch.long)] = c
         return lut
 
+    def whole_words(self, idx: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Class label per position of inputs idx (B, T), -1 where the token is no class or the word goes on in
+        the next token. The last position's next token is unknown: kept only when no token continues a word
+        (word-level tokenizers)."""
+        lab = self.lookup(vocab_size)[idx.cpu()]  # (B, T)
+        cont = torch.zeros(vocab_size, dtype=torch.bool)
+        cont[torch.tensor(self.continues, dtype=torch.long)] = True
+        goes_on = torch.zeros_like(lab, dtype=torch.bool)  # (B, T)
+        goes_on[:, :-1] = cont[idx[:, 1:].cpu()]
+        goes_on[:, -1] = bool(self.continues)
+        return lab.masked_fill(goes_on, -1)
+
+    def report(self) -> dict:
+        return {"names": self.names, "ids": self.ids, "source": self.source, "note": self.note,
+                "counts": self.counts, "min_per_class": self.min_count, "skipped": self.skipped}
+
+
+MIN_PER_CLASS = 16  # fewest samples per class the probe accepts (fewer: the probe is skipped, with the counts)
+
+
+def word_start_id(tokenizer, word: str) -> int | None:
+    """The one token the tokenizer writes for ``word`` at a word start (what it makes of " word"), else None.
+    A byte-level BPE's `` is`` (``Ġis``) qualifies; its bare ``is``, which also ends ``th|is``, does not."""
+    try:
+        ids = tokenizer.encode(" " + word)
+    except Exception:  # noqa: BLE001  (a word-level tokenizer without an unknown token raises on new words)
+        return None
+    return int(ids[0]) if len(ids) == 1 else None
+
+
+def continues_word(tokenizer, i: int) -> bool:
+    """Token i glues onto the token before it with no space and starts with a letter or digit: it continues a
+    word (decoding it twice gives its text twice, where a word-level tokenizer puts a space between)."""
+    text = tokenizer.decode([i])
+    return text[:1].isalnum() and tokenizer.decode([i, i]) == text + text
+
+
+def is_word_token(tokenizer, i: int) -> bool:
+    """Token i is a whole word at a word start: its text, stripped, is letters/digits and encodes back to i."""
+    word = tokenizer.decode([i]).strip()
+    return word.isalnum() and word_start_id(tokenizer, word) == i
+
+
+def _whole_word_counts(tokens: np.ndarray, continues: set[int], vocab_size: int | None = None) -> np.ndarray:
+    """Occurrences per token id in tokens (n, T) that the next token does not continue (last column: kept only
+    when no token continues a word)."""
+    nxt = np.isin(tokens[:, 1:], list(continues))  # (n, T-1)
+    goes_on = np.concatenate([nxt, np.full((len(tokens), 1), bool(continues))], axis=1)  # (n, T)
+    return np.bincount(tokens[~goes_on], minlength=vocab_size or int(tokens.max()) + 1)
+
 
 def probe_classes(tokenizer, tokens: np.ndarray | torch.Tensor, words: Sequence[str] | None = None, k: int = 4,
-                  vocab_size: int | None = None) -> ProbeClasses:
-    """The words to probe: ``words`` if given (each must be a single token, with or without a leading space),
-    else is/are/was/were when the tokenizer has them all as single tokens, else the k most frequent tokens of
-    ``tokens`` (the evaluation inputs)."""
-    def ids_of(w: str) -> list[int]:
-        out = []
-        for variant in (w, " " + w):
-            i = tokenizer.token_to_id(variant)
-            if i is not None and i not in out:
-                out.append(int(i))
-        return out
+                  vocab_size: int | None = None, min_count: int = MIN_PER_CLASS) -> ProbeClasses:
+    """The words to probe, as whole words at a word start (:func:`word_start_id`), counted in ``tokens`` (the
+    evaluation inputs (n, T)): ``words`` if given (skipped, with a note, when one occurs fewer than ``min_count``
+    times), else is/are/was/were when each is a word-start token occurring ``min_count`` times, else the k most
+    frequent whole-word tokens occurring that often (skipped when fewer than 2 are)."""
+    t = np.asarray(tokens)
+    t = t.reshape(1, -1) if t.ndim == 1 else t  # (n, T)
+    continues = sorted(i for i in np.unique(t).tolist() if continues_word(tokenizer, i))
+    counts = _whole_word_counts(t, set(continues), vocab_size)
+    count = lambda i: int(counts[i]) if i is not None and i < len(counts) else 0  # noqa: E731
 
     if words:
-        ids = [ids_of(w) for w in words]
-        missing = [w for w, i in zip(words, ids, strict=True) if not i]
-        if missing:
-            raise CemtoolError(f"probe word(s) {', '.join(map(repr, missing))} are not single tokens of this "
-                               f"run's {tokenizer.kind} tokenizer", hint="choose other --words or use --k")
         if len(words) < 2:
             raise CemtoolError("the probe needs at least 2 words")
-        return ProbeClasses(list(words), ids, "words")
-    ids = [ids_of(w) for w in DEFAULT_WORDS]
-    if all(ids):
-        return ProbeClasses(list(DEFAULT_WORDS), ids, "words")
+        bad = [w for w in words if not w or any(ch.isspace() for ch in w)]
+        if bad:
+            raise CemtoolError(f"probe word(s) {', '.join(map(repr, bad))} are empty or hold spaces")
+        ids = [word_start_id(tokenizer, w) for w in words]
+        missing = [w for w, i in zip(words, ids, strict=True) if i is None]
+        if missing:
+            raise CemtoolError(f"probe word(s) {', '.join(map(repr, missing))} are not single tokens of this run's "
+                               f"{tokenizer.kind} tokenizer at a word start (what it makes of ' word')",
+                               hint="choose other --words, or leave them out for the most frequent whole words")
+        c = ProbeClasses(list(words), [[i] for i in ids], "words", counts=[count(i) for i in ids],
+                         min_count=min_count, continues=continues)
+        if min(c.counts) < min_count:
+            c.skipped = (f"a probe class occurs fewer than {min_count} times as a whole word in the evaluation "
+                         f"tokens ({_counts_text(c)}); evaluate more tokens or choose other --words")
+        return c
+    ids = [word_start_id(tokenizer, w) for w in DEFAULT_WORDS]
+    default = ProbeClasses(list(DEFAULT_WORDS), [[i] if i is not None else [] for i in ids], "words",
+                           counts=[count(i) for i in ids], min_count=min_count, continues=continues)
+    if min(default.counts) >= min_count:
+        return default
     if k < 2:
         raise CemtoolError("the probe needs k >= 2 classes")
-    t = np.asarray(tokens).reshape(-1)
-    counts = np.bincount(t, minlength=vocab_size or int(t.max()) + 1)
-    top = [int(i) for i in np.argsort(-counts, kind="stable")[:k] if counts[i] > 0]
-    return ProbeClasses([tokenizer.id_to_token(i) for i in top], [[i] for i in top], "frequent",
-                        note=f"{'/'.join(DEFAULT_WORDS)} are not all single tokens of this {tokenizer.kind} "
-                             f"tokenizer: the {len(top)} most frequent tokens instead")
+    why = (f"{'/'.join(DEFAULT_WORDS)} do not each occur {min_count} times as whole words of this {tokenizer.kind} "
+           f"tokenizer ({_counts_text(default)})")
+    top = []
+    for i in np.argsort(-counts, kind="stable"):
+        if counts[i] < min_count or len(top) == k:
+            break
+        if is_word_token(tokenizer, int(i)):
+            top.append(int(i))
+    if len(top) < 2:
+        default.skipped = f"{why}, and fewer than 2 other whole-word tokens do; evaluate more tokens"
+        return default
+    return ProbeClasses([tokenizer.decode([i]).strip() for i in top], [[i] for i in top], "frequent",
+                        note=f"{why}: the {len(top)} most frequent whole words instead", counts=[count(i) for i in top],
+                        min_count=min_count, continues=continues)
+
+
+def _counts_text(c: ProbeClasses) -> str:
+    return ", ".join(f"{n!r}: {m}" for n, m in zip(c.names, c.counts, strict=True))
 
 
 def fit_logistic(X: torch.Tensor, y: torch.Tensor, k: int, weight_decay: float = 1e-3,
@@ -320,7 +401,7 @@ class ProbeSample:
     """A bounded, balanced sample of (features, label) at positions whose input token is one of the classes."""
 
     def __init__(self, classes: ProbeClasses, vocab_size: int, per_class: int):
-        self.lut = classes.lookup(vocab_size)
+        self.classes, self.vocab_size = classes, vocab_size
         self.k, self.per_class = len(classes.names), per_class
         self.counts = [0] * self.k
         self.labels: list[torch.Tensor] = []
@@ -328,7 +409,7 @@ class ProbeSample:
 
     def select(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(batch, position) indices to keep from inputs idx (B, T), and their labels."""
-        lab = self.lut[idx.cpu()]  # (B, T)
+        lab = self.classes.whole_words(idx, self.vocab_size)  # (B, T)
         keep_b, keep_t, keep_y = [], [], []
         for c in range(self.k):
             room = self.per_class - self.counts[c]
@@ -455,7 +536,10 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     names2 = [n for p in points.values() for n in (p.values, p.hidden) if n]
     acc = {i: _Layer() for i in points}
     routed: dict[str, list] = {}
-    sample = ProbeSample(classes, V, per_class) if classes is not None else None
+    if classes is not None and not classes.skipped and per_class < classes.min_count:
+        raise CemtoolError(f"per_class={per_class} is below the probe's minimum of {classes.min_count} samples per "
+                           f"class")
+    sample = ProbeSample(classes, V, per_class) if classes is not None and not classes.skipped else None
     n_batches = math.ceil(len(inputs) / batch_size)
 
     # pass 1: moments, second moments, per-sequence rank and cosine, attention rows, probe sample
@@ -512,12 +596,14 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     # probes
     probe_feats, probe_y, m = sample.balanced() if sample is not None else ({}, None, 0)
     probe_note = None
-    if sample is None:
+    if classes is None:
         probe_note = "not applicable: no probe classes given"
-    elif m < folds:
+    elif classes.skipped:
+        probe_note = f"not applicable: {classes.skipped}"
+    elif m < max(folds, classes.min_count):
         counts = ", ".join(f"{n!r}: {c}" for n, c in zip(classes.names, sample.counts, strict=True))
-        probe_note = (f"not applicable: too few occurrences for {folds}-fold cross-validation ({counts}); "
-                      f"evaluate more tokens")
+        probe_note = (f"not applicable: too few whole-word samples for the probe (at least "
+                      f"{max(folds, classes.min_count)} per class; {counts}); evaluate more tokens")
     n_seq, T = inputs.shape
     layers = []
     for i, p in points.items():
@@ -556,9 +642,7 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
             entry["routing_mean"] = (total / max(tokens, 1)).tolist()  # (H, S) the mix averaged over tokens
         layers.append(entry)
     return {"measure": "collapse", "alpha": alpha, "sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
-            "probe_classes": None if classes is None else {"names": classes.names, "ids": classes.ids,
-                                                           "source": classes.source, "note": classes.note,
-                                                           "per_class": m, "folds": folds,
+            "probe_classes": None if classes is None else {**classes.report(), "per_class": m, "folds": folds,
                                                            "weight_decay": weight_decay},
             "layers": layers}
 
@@ -645,19 +729,21 @@ def _mean(xs: list) -> float | None:
     return float(np.mean(xs)) if xs else None
 
 
-__all__ = ["DEFAULT_WORDS", "Moments", "ProbeClasses", "attention_row_stats", "collapse_report",
+__all__ = ["DEFAULT_WORDS", "MIN_PER_CLASS", "Moments", "ProbeClasses", "attention_row_stats", "collapse_report",
            "effective_rank", "effective_rank_from_singular", "fit_logistic", "gram_eigenvalues", "gram_entropy",
            "layer_summary", "matrix_entropy", "mean_pairwise_cosine", "probe_accuracy", "probe_classes",
-           "renyi_entropy", "report_rows", "summarise_attention"]
+           "renyi_entropy", "report_rows", "summarise_attention", "word_start_id"]
 
 
-def measure_run(path, *, label: str, checkpoint: str = "final", tokens: int, seq_len: int | None,
-                batch_size: int, alpha: float, words: list[str] | None, k: int, folds: int, per_class: int,
-                seed: int, device: torch.device | str = "cpu",
+def measure_run(path, *, label: str | None = None, checkpoint: str = "final", tokens: int = 16384,
+                seq_len: int | None = None, batch_size: int = 16, alpha: float = 0.5, words: list[str] | None = None,
+                k: int = 4, folds: int = 5, per_class: int = 256, min_per_class: int = MIN_PER_CLASS, seed: int = 0,
+                device: torch.device | str = "cpu",
                 progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Load a run, measure it on its validation windows, return the per-run payload (what
     reports/collapse.json holds under ``runs[0]``): collapse measures, per-layer summary, LIMe routing and
-    momentum-stream scalars (each "not applicable" where the architecture has none)."""
+    momentum-stream scalars (each "not applicable" where the architecture has none). The defaults are
+    ``cemtool collapse-report``'s; ``label`` defaults to the run folder's name."""
     import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
     from cemtool.analysis.routing import lime_routing, stream_scalars
     from cemtool.data.corpus import load_corpus, windows
@@ -673,11 +759,12 @@ def measure_run(path, *, label: str, checkpoint: str = "final", tokens: int, seq
     corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
     starts = corpus.eval_windows(T, tokens)
     x, _ = windows(corpus.val, starts, T)  # (n, T)
-    classes = probe_classes(loaded.tokenizer, x.numpy(), words, k, cfg.model.vocab_size)
+    classes = probe_classes(loaded.tokenizer, x.numpy(), words, k, cfg.model.vocab_size, min_count=min_per_class)
     report = collapse_report(loaded.model, x, alpha=alpha, classes=classes, folds=folds, per_class=per_class,
                              batch_size=batch_size, seed=seed, device=device, progress=progress)
     mean_mix = {e["layer"]: e["routing_mean"] for e in report["layers"] if "routing_mean" in e}
-    return {"label": label, "run": str(loaded.run.path), "arch": cfg.model.arch, "checkpoint": str(loaded.checkpoint),
+    return {"label": label or loaded.run.path.name, "run": str(loaded.run.path), "arch": cfg.model.arch,
+            "checkpoint": str(loaded.checkpoint),
             "step": loaded.step, "collapse": report, "summary": layer_summary(report),
             "routing": lime_routing(loaded.model, mean_mix), "stream_scalars": stream_scalars(loaded.model)}
 

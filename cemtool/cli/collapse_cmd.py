@@ -54,9 +54,10 @@ def print_summary(payload: dict) -> None:
         c = r["collapse"]
         pc = c.get("probe_classes") or {}
         chance = 1 / len(pc["names"]) if pc.get("names") else None
-        console.result(f"{r['label']} ({r['arch']}): {c['tokens']:,} tokens; probe classes "
-                       f"{', '.join(map(repr, pc.get('names', [])))} ({pc.get('per_class', 0)} per class, chance "
-                       f"{_f(chance)})" + (f"; {pc['note']}" if pc.get("note") else ""))
+        found = ", ".join(f"{n!r} {m}" for n, m in zip(pc.get("names", []), pc.get("counts", []), strict=False))
+        used = "skipped" if pc.get("skipped") else f"{pc.get('per_class', 0)} per class used, chance {_f(chance)}"
+        console.result(f"{r['label']} ({r['arch']}): {c['tokens']:,} tokens; probe classes (whole-word "
+                       f"occurrences) {found} ({used})" + (f"; {pc['note']}" if pc.get("note") else ""))
         notes = sorted({v for e in c["layers"] for v in (e["values"], e["hidden"], e["attention"], *e["probe"].values())
                         if isinstance(v, str)})
         for n in notes:
@@ -84,16 +85,24 @@ def collapse_report_cmd(
     seq_len: Annotated[Optional[int], typer.Option(help="window length; default the run's data.seq_len")] = None,
     batch_size: Annotated[int, typer.Option(help="windows per forward pass (memory)")] = 16,
     alpha: Annotated[float, typer.Option(help="Rényi order of the matrix entropy (1 = Shannon)")] = 0.5,
-    words: Annotated[Optional[str], typer.Option(help="comma-separated probe words (single tokens); default "
-                                                 "is,are,was,were if available, else the k most frequent tokens")]
+    words: Annotated[Optional[str], typer.Option(help="comma-separated probe words (each one token at a word "
+                                                 "start); default is,are,was,were if each occurs often enough, "
+                                                 "else the k most frequent whole words")]
     = None,
-    k: Annotated[int, typer.Option("--k", help="probe classes when falling back to the most frequent tokens")] = 4,
+    k: Annotated[int, typer.Option("--k", help="probe classes when falling back to the most frequent whole "
+                                         "words")] = 4,
     folds: Annotated[int, typer.Option(help="cross-validation folds of the probe")] = 5,
     per_class: Annotated[int, typer.Option(help="at most this many probe samples per class")] = 256,
+    min_per_class: Annotated[int, typer.Option(help="fewest whole-word samples per class; below it the probe is "
+                                               "skipped with a note (default words: the most frequent whole "
+                                               "words instead)")] = 16,  # collapse.MIN_PER_CLASS
     seed: Annotated[int, typer.Option(help="seed of the probe's fold split")] = 0,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="folder of the comparison report (several "
                                                 "runs); default the first run's reports/ and plots/")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    name: Annotated[str, typer.Option(help="report name: reports/<name>.json (several runs: also "
+                                      "<name>_compare.json); analyses under other settings keep their own names")]
+    = "collapse",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "auto",
     no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figures")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the per-layer summary as JSON")] = False,
@@ -102,21 +111,26 @@ def collapse_report_cmd(
     LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
     from cemtool.analysis.collapse import all_rows, measure_run
     from cemtool.report import provenance, write_report
+    from cemtool.runs import safe_name
     from cemtool.train import pick_device
 
+    safe_name(name, "--name")
     if not alpha > 0:
         raise typer.BadParameter(f"{alpha} is not a valid Rényi order (must be > 0)", param_hint="--alpha")
-    for name, v, lo in (("--tokens", tokens, 1), ("--batch-size", batch_size, 1), ("--folds", folds, 2),
-                        ("--per-class", per_class, 2), ("--k", k, 2)):
+    for what, v, lo in (("--tokens", tokens, 1), ("--batch-size", batch_size, 1), ("--folds", folds, 2),
+                        ("--per-class", per_class, 2), ("--k", k, 2), ("--min-per-class", min_per_class, 2)):
         if v < lo:
-            raise typer.BadParameter(f"{v} is below the minimum {lo}", param_hint=name)
+            raise typer.BadParameter(f"{v} is below the minimum {lo}", param_hint=what)
+    if per_class < min_per_class:
+        raise typer.BadParameter(f"{per_class} is below --min-per-class {min_per_class}", param_hint="--per-class")
     if seq_len is not None and seq_len < 2:
         raise typer.BadParameter(f"{seq_len} is below the minimum 2", param_hint="--seq-len")
     word_list = [w.strip() for w in words.split(",") if w.strip()] if words else None
     taken: set[str] = set()
     labels = [_label(p, taken) for p in runs]
     options = {"checkpoint": checkpoint, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
-               "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class, "seed": seed}
+               "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class,
+               "min_per_class": min_per_class, "seed": seed}
     measured = []
     with console.progress(quiet) as bar:
         for p, label in zip(runs, labels, strict=True):
@@ -126,23 +140,24 @@ def collapse_report_cmd(
     written = []
     for r in measured:  # each run's own report
         single = {"provenance": provenance(r["run"], seed=seed, checkpoint=r["checkpoint"], step=r["step"],
-                                           command="collapse-report", options=options), "runs": [r]}
+                                           command="collapse-report", name=name, options=options), "runs": [r]}
         reports = Path(r["run"]) / "reports"
-        written.append(write_report(reports, "collapse", single, all_rows(single))["json"])
+        written.append(write_report(reports, name, single, all_rows(single))["json"])
         if not no_plots and len(measured) == 1:  # several runs: the comparison's figures show each of them
             from cemtool.plots.collapse import plot_collapse
 
-            plot_collapse(single, Path(r["run"]) / "plots", "collapse")
-    payload = {"provenance": provenance(None, seed=seed, command="collapse-report", options=options,
+            plot_collapse(single, Path(r["run"]) / "plots", name)
+    payload = {"provenance": provenance(None, seed=seed, command="collapse-report", name=f"{name}_compare",
+                                        options=options,
                                         runs=[r["run"] for r in measured]), "runs": measured}
     if len(measured) > 1:
         reports_dir = out if out is not None else Path(measured[0]["run"]) / "reports"
         plots_dir = out / "plots" if out is not None else Path(measured[0]["run"]) / "plots"
-        written.append(write_report(reports_dir, "collapse_compare", payload, all_rows(payload))["json"])
+        written.append(write_report(reports_dir, f"{name}_compare", payload, all_rows(payload))["json"])
         if not no_plots:
             from cemtool.plots.collapse import plot_collapse
 
-            plot_collapse(payload, plots_dir, "collapse_compare")
+            plot_collapse(payload, plots_dir, f"{name}_compare")
     if json_:
         console.print_json([{"run": r["label"], "arch": r["arch"], **s} for r in measured for s in r["summary"]])
         return
