@@ -310,16 +310,13 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
             run = create_run(out, cfg, force=force, argv=argv if argv is not None else sys.argv, device=str(dev),
                              extra_meta={"parent": str(src.path.resolve()), "kind": "forgetting",
                                          "source_checkpoint": ckpt_path.name, "source_step": ckpt.step,
-                                         "corpus": target_corpus.info})
-            tok.save(run.path / "tokenizer.json")
+                                         "corpus": target_corpus.info}, tokenizer=tok)
         ev = _Evaluator(cfg, source_corpus, target_corpus, dev)
         if not any(r.get("step") == 0 and "source_val_loss" in r for r in run.metrics()):
             row = _source_row(ev, ckpt.weights, 0, 0)
             row.update(val_loss=ev.loss(ckpt.weights, "target"), val_floor=ev.target_floor)
             run.append_metrics(row)
         if run.meta().get("status") != "completed":
-            if existing:
-                run.update_meta(status="running", resumed=run.meta().get("resumed", 0) + 1, device=str(dev))
             res = train(cfg, target_corpus, run, device=dev, resume=existing, init_weights=ckpt.weights,
                         callback=_tracker(run, ev, callback))
             if res.status != "completed":

@@ -18,11 +18,16 @@ unpickled. Every file is written to a temporary name and renamed, so a crash nev
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import platform
+import re
+import secrets
+import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -43,14 +48,99 @@ STATUSES = ("running", "completed", "failed", "interrupted")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``path`` through a new temporary file in the same folder and a rename: a crash leaves the old file or
+    the new one, never half of one. The temporary file is created exclusively (a planted symlink is never
+    followed) and removed again if writing fails (disk full, read-only folder); the error names the path and the
+    cause. A symlinked subfolder of a run directory is refused (see :func:`refuse_symlinked_dirs`)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    refuse_symlinked_dirs(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise os_error(e, path) from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise os_error(e, path) from None
+        raise
+
+
+TMP_SUFFIX = ".tmp"
+_TMP_PID = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+\.tmp$|^\..+\.tmp(\d+)$")  # new and pre-0.x temporary names
+
+
+def os_error(e: OSError, path: Path | str, doing: str = "write") -> CemtoolError:
+    """An OSError as a one-line user error naming the path and the cause (e.g. 'No space left on device')."""
+    cause = e.strerror or str(e) or type(e).__name__
+    hint = {errno.ENOSPC: "free some disk space, or write the run elsewhere",
+            errno.EROFS: "the folder is on a read-only file system: choose another output folder",
+            errno.EACCES: "check the folder's permissions, or choose another output folder",
+            errno.EDQUOT: "the disk quota is exhausted"}.get(e.errno)
+    return CemtoolError(f"cannot {doing} {path}: {cause}", hint=hint)
+
+
+def clean_stale_temps(folder: Path) -> list[Path]:
+    """Remove the temporary files that a killed writer left in ``folder`` (its process no longer exists);
+    return them."""
+    removed = []
+    try:
+        entries = list(Path(folder).iterdir()) if not Path(folder).is_symlink() else []
+    except OSError:
+        return removed
+    for p in entries:
+        m = _TMP_PID.match(p.name)
+        if m is None or _alive(int(m.group(1) or m.group(2))):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                continue
+            p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True
+
+
+def refuse_symlinked_dirs(path: Path) -> None:
+    """Refuse to write ``path`` if one of the folders it lies in is a symbolic link that sits inside a run
+    directory (``reports/``, ``checkpoints/``, ``plots/`` ...): a planted link would send writes, and checkpoint
+    pruning's deletions, outside the run. The run directory itself may be a link."""
+    for d in list(Path(path).parents)[:3]:
+        if d.is_symlink() and is_run(d.parent):
+            raise CemtoolError(f"{d} is a symbolic link: cemtool does not follow links inside a run directory",
+                               hint="replace the link by a real folder")
+
+
+def safe_name(name: str, what: str = "report name") -> str:
+    """``name`` if it is a plain file name that stays inside its folder: letters, digits and ``_ . + = -``, not
+    starting with a dot or a dash, at most 100 characters. Every user-given report or figure name goes through
+    it (``--name ../../escape`` is refused with a one-line error)."""
+    if not isinstance(name, str) or len(name) > 100 or not _SAFE_NAME.fullmatch(name):
+        raise CemtoolError(f"{what} {name!r} is not a plain name",
+                           hint="use letters, digits and - _ . + = (no path separators, not starting with . or -), "
+                                "at most 100 characters")
+    return name
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -71,23 +161,26 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The JSON objects of a .jsonl file, one per line (a line cut by a kill, or not an object, is skipped); [] if
-    the file does not exist."""
+def read_jsonl(path: str | Path, skipped: list[str] | None = None) -> list[dict]:
+    """The JSON objects of a .jsonl file, one per line; [] if the file does not exist. A line that is not a JSON
+    object (cut by a kill, garbage, invalid UTF-8) is skipped, with a note appended to ``skipped`` if given."""
     p = Path(path)
     if not p.exists():
         return []
     rows = []
-    for line in p.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if not line:
+    for i, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
+            row, why = json.loads(raw.decode("utf-8")), "not a JSON object"
+        except UnicodeDecodeError:
+            row, why = None, "not UTF-8"
         except json.JSONDecodeError:
-            continue
+            row, why = None, "not JSON"
         if isinstance(row, dict):
             rows.append(row)
+        elif skipped is not None:
+            skipped.append(f"{p.name} line {i} skipped ({why})")
     return rows
 
 
@@ -142,6 +235,9 @@ def is_run(path: Path) -> bool:
     return (Path(path) / "config.json").is_file() or (Path(path) / "meta.json").is_file()
 
 
+RUN_SUBDIRS = ("checkpoints", "reports", "plots")
+
+
 @dataclass
 class Run:
     """A run directory opened for writing (holds its lock) or for reading."""
@@ -149,23 +245,42 @@ class Run:
     path: Path
     lock_fd: int | None = None
 
+    def _subdir(self, name: str) -> Path:
+        p = self.path / name
+        if p.is_symlink():
+            raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links inside a run directory",
+                               hint="replace the link by a real folder")
+        return p
+
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self._subdir("checkpoints")
 
     @property
     def reports(self) -> Path:
-        return self.path / "reports"
+        return self._subdir("reports")
 
     @property
     def plots(self) -> Path:
-        return self.path / "plots"
+        return self._subdir("plots")
 
     # -- locking ----------------------------------------------------------------------------------------------
 
     def lock(self) -> None:
-        """Take the run's exclusive lock (released automatically if the process dies)."""
-        fd = os.open(self.path / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the run's exclusive lock (released automatically if the process dies). The lock file is opened
+        without following links: a planted ``.lock`` symlink is refused, never written through."""
+        p = self.path / ".lock"
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links inside a run directory",
+                                   hint="remove the link") from None
+            raise os_error(e, p, "lock") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            raise CemtoolError(f"{p} is not a plain file (a link or a special file)", hint="remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -175,12 +290,41 @@ class Run:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self.lock_fd = fd
+        for d in (self.path, *(self.path / s for s in RUN_SUBDIRS)):
+            clean_stale_temps(d)
 
     def unlock(self) -> None:
         if self.lock_fd is not None:
             fcntl.flock(self.lock_fd, fcntl.LOCK_UN)
             os.close(self.lock_fd)
             self.lock_fd = None
+
+    def lock_held(self) -> bool | None:
+        """Whether some process (this one included) holds the run's lock; None if that cannot be told."""
+        try:
+            fd = os.open(self.path / ".lock", os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return None
+        finally:
+            os.close(fd)  # closing drops the shared lock taken just now
+        return False
+
+    def status(self, meta: dict | None = None) -> str:
+        """meta.json's status, except that a run marked running whose lock nobody holds (killed with -9, power
+        cut) is 'stopped'."""
+        meta = self.meta() if meta is None else meta
+        status = str(meta.get("status", "?"))
+        if status == "running" and self.lock_held() is False:
+            return "stopped"
+        return status
 
     # -- files --------------------------------------------------------------------------------------------------
 
@@ -189,7 +333,10 @@ class Run:
                                     str(self.path / "config.json"))
 
     def meta(self) -> dict:
-        return read_json(self.path / "meta.json", "run metadata")
+        meta = read_json(self.path / "meta.json", "run metadata")
+        if not isinstance(meta, dict):
+            raise CemtoolError(f"run metadata {self.path / 'meta.json'} is corrupt (not a JSON object)")
+        return meta
 
     def update_meta(self, **changes: Any) -> dict:
         meta = self.meta()
@@ -197,13 +344,39 @@ class Run:
         atomic_write_json(self.path / "meta.json", meta)
         return meta
 
-    def metrics(self) -> list[dict]:
-        return read_jsonl(self.path / "metrics.jsonl")
+    def mark_resumed(self, device: str, **changes: Any) -> dict:
+        """Status running and one more resume: called once the checkpoint has loaded, so that a resume that fails
+        leaves meta.json as it was."""
+        return self.update_meta(status="running", resumed=self.meta().get("resumed", 0) + 1, device=device,
+                                **changes)
+
+    def mark_failed(self, error: str, **changes: Any) -> None:
+        """Best effort (the disk may be full): status failed with the error, so that the run does not stay
+        'running'."""
+        try:
+            self.update_meta(status="failed", ended=now(), error=error[:300], **changes)
+        except (CemtoolError, OSError):
+            pass
+
+    def metrics(self, skipped: list[str] | None = None) -> list[dict]:
+        return read_jsonl(self.path / "metrics.jsonl", skipped)
 
     def append_metrics(self, row: dict) -> None:
-        with open(self.path / "metrics.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(row, default=_json_default) + "\n")
-            f.flush()
+        p = self.path / "metrics.jsonl"
+        line = (json.dumps(row, default=_json_default) + "\n").encode("utf-8")
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links inside a run directory",
+                                   hint="remove the link") from None
+            raise os_error(e, p) from None
+        try:
+            os.write(fd, line)
+        except OSError as e:
+            raise os_error(e, p) from None
+        finally:
+            os.close(fd)
 
     def truncate_metrics(self, step: int) -> None:
         """Drop metric lines after ``step`` (a resumed run re-logs them)."""
@@ -211,18 +384,23 @@ class Run:
         atomic_write_text(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
 
     def write_report(self, name: str, obj: Any) -> Path:
-        path = self.reports / f"{name}.json"
+        path = self.reports / f"{safe_name(name)}.json"
         atomic_write_json(path, obj)
         return path
 
 
 def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: list[str] | None = None,
-               device: str = "cpu", extra_meta: dict | None = None) -> Run:
-    """Make a fresh run directory (locked). An existing run is refused unless ``force``, which moves it aside
-    to ``<name>.replaced-<timestamp>`` (nothing is deleted)."""
+               device: str = "cpu", extra_meta: dict | None = None, tokenizer: Any = None) -> Run:
+    """Make a fresh run directory (locked), with its config.json, meta.json and (given ``tokenizer``)
+    tokenizer.json. The files are written into a hidden temporary folder beside it that is renamed into place
+    at the end, so that a kill leaves either no run or a complete one. An existing run is refused unless
+    ``force``, which moves it aside to ``<name>.replaced-<timestamp>`` (nothing is deleted)."""
     path = Path(path)
+    if path.is_symlink() and path.is_dir():
+        path = path.resolve()  # --out is a link to a folder: build the run beside the folder it names
     if path.exists() and not path.is_dir():
         raise CemtoolError(f"output path {path} exists and is not a directory")
+    move_aside = False
     if path.exists() and any(path.iterdir()):
         if not is_run(path):
             raise CemtoolError(f"output directory {path} is not empty and is not a cemtool run",
@@ -233,22 +411,64 @@ def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: l
         probe = Run(path)
         probe.lock()  # refuse to move a run that is being written
         probe.unlock()
-        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-        path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
-    path.mkdir(parents=True, exist_ok=True)
-    run = Run(path)
-    run.lock()
-    atomic_write_json(path / "config.json", to_dict(cfg))
-    from cemtool.models.registry import get_arch
+        move_aside = True
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise os_error(e, path.parent, "create") from None
+    _clean_stale_creations(path)
+    tmp = path.with_name(f".{path.name}.creating.{os.getpid()}.{secrets.token_hex(4)}")
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise os_error(e, path, "create") from None
+    run = Run(tmp)
+    try:
+        run.lock()
+        atomic_write_json(tmp / "config.json", to_dict(cfg))
+        if tokenizer is not None:
+            tokenizer.save(tmp / "tokenizer.json")
+        from cemtool.models.registry import get_arch
 
-    meta = {"schema_version": SCHEMA_VERSION, "status": "running", "arch": cfg.model.arch,
-            "family": get_arch(cfg.model.arch).family, "seed": cfg.seed,
-            "created": now(), "started": now(), "ended": None, "argv": argv if argv is not None else sys.argv,
-            "device": device, "versions": versions(), "git_commit": git_commit(), "hostname": platform.node(),
-            "step": 0}
-    meta.update(extra_meta or {})
-    atomic_write_json(path / "meta.json", meta)
+        meta = {"schema_version": SCHEMA_VERSION, "status": "running", "arch": cfg.model.arch,
+                "family": get_arch(cfg.model.arch).family, "seed": cfg.seed,
+                "created": now(), "started": now(), "ended": None, "argv": argv if argv is not None else sys.argv,
+                "device": device, "versions": versions(), "git_commit": git_commit(), "hostname": platform.node(),
+                "step": 0}
+        meta.update(extra_meta or {})
+        atomic_write_json(tmp / "meta.json", meta)
+        if move_aside:
+            stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+            path.rename(path.with_name(f"{path.name}.replaced-{stamp}"))
+        _rename_into_place(tmp, path)
+    except BaseException:
+        run.unlock()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    run.path = path
     return run
+
+
+def _rename_into_place(tmp: Path, path: Path) -> None:
+    """Rename the finished temporary run folder to ``path`` (which must be missing or an empty folder)."""
+    try:
+        os.rename(tmp, path)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+            raise CemtoolError(f"output directory {path} was filled by another process while the run was created",
+                               hint="choose another --out") from None
+        raise os_error(e, path, "create") from None
+
+
+def _clean_stale_creations(path: Path) -> None:
+    """Remove the hidden temporary folders of runs whose creation at ``path`` was killed."""
+    prefix = f".{path.name}.creating."
+    for p in path.parent.iterdir():
+        parts = p.name[len(prefix):].split(".")
+        if (not p.name.startswith(prefix) or len(parts) != 2 or not parts[0].isdigit() or p.is_symlink()
+                or not p.is_dir() or _alive(int(parts[0]))):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
 
 
 def open_run(path: str | Path, *, lock: bool = False) -> Run:
@@ -327,7 +547,9 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
                     optimizer: torch.optim.Optimizer | None = None, state: dict | None = None) -> Path:
     """Write checkpoints/<name>.safetensors atomically: weights ('model.*'), optimizer tensors ('optim.*'),
-    the torch RNG state, and a JSON header (step, aliases, optimizer skeleton, training state)."""
+    the torch RNG state, a JSON header (step, aliases, optimizer skeleton, training state) and the SHA-256 of
+    header and tensors ('cemtool_sha256'), so that the file verifies on its own; manifest.json also records the
+    file's SHA-256."""
     import torch
     from safetensors.torch import save
 
@@ -338,13 +560,31 @@ def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
     if optimizer is not None:
         header["optimizer"] = _flatten(optimizer.state_dict(), "optim", tensors)
         tensors["rng.torch"] = torch.get_rng_state()
+    header_json = json.dumps(header)
+    metadata = {"cemtool": header_json, "cemtool_sha256": _content_sha256(header_json, tensors)}
     path = run.checkpoints / f"{name}.safetensors"
-    atomic_write_bytes(path, save(tensors, metadata={"cemtool": json.dumps(header)}))
+    atomic_write_bytes(path, save(tensors, metadata=metadata))
     manifest_path = run.checkpoints / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest[path.name] = {"step": step, "sha256": _sha256(path), "bytes": path.stat().st_size}
-    atomic_write_json(manifest_path, manifest)
+    try:
+        entries = manifest(run)
+    except CemtoolError:  # a corrupt manifest is rewritten: every checkpoint also carries its own hash
+        entries = {}
+    entries[path.name] = {"step": step, "sha256": _sha256(path), "bytes": path.stat().st_size}
+    atomic_write_json(manifest_path, entries)
     return path
+
+
+def _content_sha256(header_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of the header and of every tensor's name, dtype, shape and bytes (in name order): what a
+    checkpoint means, independent of how safetensors lays it out."""
+    import torch
+
+    h = hashlib.sha256(header_json.encode("utf-8"))
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(f"\0{k}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _refuse_pickle(path: Path) -> None:
@@ -370,9 +610,14 @@ class Checkpoint:
             return None
         return _unflatten(self.header["optimizer"], self.tensors)
 
+    @property
+    def tokens(self) -> int:
+        return self.header.get("state", {}).get("tokens", 0)
+
 
 def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoint:
-    """Read and verify a cemtool safetensors checkpoint; never unpickles."""
+    """Read and verify a cemtool safetensors checkpoint (the manifest's SHA-256 if it lists the file, the file's
+    own 'cemtool_sha256', and a well-formed header); never unpickles."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -390,10 +635,45 @@ def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoin
     except Exception as e:  # safetensors raises several types for a bad header or a short file
         raise CemtoolError(f"checkpoint {path} is corrupted or truncated ({str(e).splitlines()[0][:120]})",
                            hint="use an earlier checkpoint or retrain") from None
+    if "cemtool_sha256" in meta and meta["cemtool_sha256"] != _content_sha256(meta["cemtool"], tensors):
+        raise CemtoolError(f"checkpoint {path} is corrupted (checksum mismatch)",
+                           hint="use an earlier checkpoint or retrain")
     weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    _check_header(path, header, weights, tensors)
     for alias, target in header.get("aliases", {}).items():
         weights[alias] = weights[target]
-    return Checkpoint(path, int(header.get("step", 0)), weights, header, tensors)
+    return Checkpoint(path, header.get("step", 0), weights, header, tensors)
+
+
+def _check_header(path: Path, header: Any, weights: dict, tensors: dict) -> None:
+    """A hand-written or damaged header (no object, a step that is not a whole number, aliases or optimizer
+    entries naming tensors the file lacks) is a one-line error, not a crash later."""
+    def bad(what: str) -> CemtoolError:
+        return CemtoolError(f"checkpoint {path} has an invalid header ({what})",
+                            hint="use an earlier checkpoint or retrain")
+
+    if not isinstance(header, dict):
+        raise bad("not a JSON object")
+    step = header.get("step", 0)
+    if type(step) is not int or step < 0:
+        raise bad(f"step {step!r} is not a whole number >= 0")
+    aliases = header.get("aliases", {})
+    if not isinstance(aliases, dict) or any(not isinstance(t, str) or t not in weights for t in aliases.values()):
+        raise bad("an alias names a tensor the file does not hold")
+    state = header.get("state", {})
+    if not isinstance(state, dict) or type(state.get("tokens", 0)) is not int:
+        raise bad("training state is not an object with a whole number of tokens")
+    if "optimizer" in header:
+        try:
+            opt = _unflatten(header["optimizer"], tensors)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise bad("the optimizer state names tensors the file does not hold") from None
+        if not isinstance(opt, dict) or not isinstance(opt.get("state"), dict) \
+                or not isinstance(opt.get("param_groups"), list):
+            raise bad("the optimizer state is not an optimizer state_dict")
+    rng = tensors.get("rng.torch")
+    if rng is not None and (str(rng.dtype) != "torch.uint8" or rng.dim() != 1):
+        raise bad("the RNG state is not a byte vector")
 
 
 def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
@@ -404,9 +684,55 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
                            f"{str(e).splitlines()[1].strip()[:160] if len(str(e).splitlines()) > 1 else e}") from None
 
 
+def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a step checkpoint's weights, optimizer state and RNG state for resuming; one-line errors."""
+    import torch
+
+    load_weights(model, ckpt)
+    state = ckpt.optimizer_state()
+    try:
+        if state is not None:
+            optimizer.load_state_dict(state)
+        if "rng.torch" in ckpt.tensors:
+            torch.set_rng_state(ckpt.tensors["rng.torch"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        raise CemtoolError(f"checkpoint {ckpt.path}: its optimizer or RNG state does not fit the configured "
+                           f"model ({str(e).splitlines()[0][:120]})", hint="use an earlier checkpoint") from None
+
+
+def resume_checkpoint(run: Run) -> tuple[Checkpoint | None, list[str]]:
+    """The newest step checkpoint that verifies, and a note for each newer one skipped (corrupt, truncated, not
+    cemtool's); those are renamed to ``<name>.corrupt`` (kept, but no longer taken for checkpoints, nor pruned
+    in place of good ones). (None, []) if the run has no step checkpoint; an error if none of them verifies."""
+    try:
+        entries = manifest(run)
+        notes = []
+    except CemtoolError as e:
+        entries, notes = {}, [f"{e.message}: checking each checkpoint's own hash instead"]
+    steps = step_checkpoints(run)
+    errors: list[tuple[Path, str]] = []
+    for path in reversed(steps):
+        try:
+            ckpt = read_checkpoint(path, entries)
+        except CemtoolError as e:
+            errors.append((path, e.message))
+            continue
+        for bad, why in errors:
+            bad.rename(bad.with_name(bad.name + ".corrupt"))
+            notes.append(f"resuming from {path.name}: skipped {bad.name} ({why}; kept as {bad.name}.corrupt)")
+        return ckpt, notes
+    if not steps:
+        return None, notes
+    raise CemtoolError(errors[0][1], hint=f"none of the {len(steps)} step checkpoint(s) verifies; start the run "
+                                       "anew with --force")
+
+
 def manifest(run: Run) -> dict:
     p = run.checkpoints / "manifest.json"
-    return read_json(p, "checkpoint manifest") if p.exists() else {}
+    entries = read_json(p, "checkpoint manifest") if p.exists() else {}
+    if not isinstance(entries, dict):
+        raise CemtoolError(f"checkpoint manifest {p} is corrupt (not a JSON object)")
+    return entries
 
 
 def step_checkpoints(run: Run) -> list[Path]:
@@ -437,7 +763,7 @@ def find_checkpoint(run: Run, which: str | int = "final") -> Path:
 
 def _status(run: Run) -> str:
     try:
-        return run.meta().get("status", "?")
+        return run.status()
     except CemtoolError:
         return "unknown"
 
@@ -452,13 +778,23 @@ class LoadedRun:
     step: int
 
 
-def load_run(path: str | Path, checkpoint: str | int = "final", device: str | torch.device = "cpu") -> LoadedRun:
-    """Model (eval mode), config and tokenizer of a run: what every analysis command starts from."""
+def load_run(path: str | Path, checkpoint: str | int = "final", device: str | torch.device = "cpu",
+             data: str | None = None) -> LoadedRun:
+    """Model (eval mode), config and tokenizer of a run: what every analysis command starts from. ``path`` may also
+    be a Hugging Face model directory or ``hf:ORG/NAME[@REVISION]`` (:mod:`cemtool.foreign`: the same LoadedRun,
+    evaluated on ``data``, default pydoc). ``data``: evaluation data instead of the run's own (its tokenizer)."""
     from cemtool.data.tokenizer import load_tokenizer
+    from cemtool.foreign import is_foreign, load_foreign
     from cemtool.models.registry import build_model
 
+    if is_foreign(path):
+        return load_foreign(path, device=device, data=data, checkpoint=checkpoint)
     run = open_run(path)
     cfg = run.config()
+    if data is not None:
+        from cemtool.config import replace
+
+        cfg = replace(cfg, **{"data.source": data})
     tok = load_tokenizer(run.path / "tokenizer.json")
     ckpt = read_checkpoint(find_checkpoint(run, checkpoint), manifest(run))
     model = build_model(cfg.model)
@@ -468,7 +804,8 @@ def load_run(path: str | Path, checkpoint: str | int = "final", device: str | to
 
 
 def list_runs(root: str | Path) -> list[dict]:
-    """One row per run found under ``root`` (itself a run, or a folder of runs, searched recursively)."""
+    """One row per run found under ``root`` (itself a run, or a folder of runs, searched recursively). A run
+    marked running whose process is gone shows as 'stopped'; unreadable metric lines are noted in 'notes'."""
     root = Path(root)
     if not root.exists():
         raise CemtoolError(f"{root} does not exist")
@@ -481,8 +818,13 @@ def list_runs(root: str | Path) -> list[dict]:
         except CemtoolError as e:
             rows.append({"run": str(p), "status": f"unreadable: {e.message}"})
             continue
-        evals = [m for m in run.metrics() if "val_loss" in m]
-        rows.append({"run": str(p), "arch": cfg.model.arch, "status": meta.get("status"),
+        notes: list[str] = []
+        evals = [m for m in run.metrics(notes) if "val_loss" in m]
+        status = run.status(meta)
+        if status == "stopped":
+            notes.insert(0, "meta.json says running but no process holds the run (killed?): resume it with "
+                            f"cemtool train --resume {p}")
+        rows.append({"run": str(p), "arch": cfg.model.arch, "status": status,
                      "step": meta.get("step"), "val_loss": evals[-1]["val_loss"] if evals else None,
-                     "floor": evals[-1].get("val_floor") if evals else None, "seed": cfg.seed})
+                     "floor": evals[-1].get("val_floor") if evals else None, "seed": cfg.seed, "notes": notes})
     return rows

@@ -336,14 +336,12 @@ def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit
     if not resume or run.meta().get("status") != "completed":
         corpus = _corpus(cfg, corpora)
         if resume:
-            run.lock()
-            run.update_meta(status="running", resumed=run.meta().get("resumed", 0) + 1, device=str(dev))
+            run.lock()  # train() marks it running again once its checkpoint has loaded
         else:
             cfg = finalize_model_config(cfg, corpus)
             run = create_run(path, cfg, argv=sys.argv, device=str(dev),
                              extra_meta={"corpus": corpus.info, "study": str(study.path.resolve()),
-                                         "item": item["name"]})
-            corpus.tokenizer.save(run.path / "tokenizer.json")
+                                         "item": item["name"]}, tokenizer=corpus.tokenizer)
         item.update(status="running", error=None)
         study.save()
         try:

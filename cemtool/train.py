@@ -24,7 +24,7 @@ from cemtool.data.corpus import Corpus, batch_starts, windows
 from cemtool.errors import CemtoolError
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
-from cemtool.runs import Run, find_checkpoint, manifest, read_checkpoint, save_checkpoint, step_checkpoints
+from cemtool.runs import Run, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 
 Callback = Callable[[dict], None]
 
@@ -206,9 +206,10 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     steps_total = total_steps(cfg)
     step, tokens_seen = 0, 0
     if resume and run is not None:
-        step, tokens_seen = _restore(run, model, opt)
+        step, tokens_seen = _restore(run, model, opt, callback)
         if writer is not None:
             writer.truncate_metrics(step)
+            writer.mark_resumed(str(dev))  # only now: a resume that fails leaves meta.json as it was
     fwd = model
     if tc.compile:
         fwd = torch.compile(model)
@@ -301,6 +302,10 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                            f"d_model={cfg.model.d_model})",
                            hint="shrink train.batch_size (use train.grad_accum to keep the batch), data.seq_len "
                                 "or the model") from None
+    except (CemtoolError, OSError) as e:  # e.g. disk full: the run must not stay "running"
+        if writer is not None:
+            writer.mark_failed(str(e), step=step)
+        raise
     seconds = time.perf_counter() - t0
     if writer is not None:
         if status == "completed":
@@ -327,20 +332,17 @@ def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int) -> None
     run.update_meta(step=step, last_checkpoint=f"step_{step:06d}")
 
 
-def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, int]:
-    steps = step_checkpoints(run)
-    if not steps:
+def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None
+             ) -> tuple[int, int]:
+    """Weights, optimizer and RNG state of the newest step checkpoint that verifies; a newer one that does not is
+    set aside, with a 'note' event saying so."""
+    ckpt, notes = resume_checkpoint(run)
+    for note in notes:
+        _emit(callback, kind="note", message=note)
+    if ckpt is None:
         return 0, 0
-    ckpt = read_checkpoint(find_checkpoint(run, "latest"), manifest(run))
-    from cemtool.runs import load_weights
-
-    load_weights(model, ckpt)
-    state = ckpt.optimizer_state()
-    if state is not None:
-        opt.load_state_dict(state)
-    if "rng.torch" in ckpt.tensors:
-        torch.set_rng_state(ckpt.tensors["rng.torch"])
-    return ckpt.step, int(ckpt.header.get("state", {}).get("tokens", 0))
+    restore_training(ckpt, model, opt)
+    return ckpt.step, ckpt.tokens
 
 
 def finalize_model_config(cfg: RunConfig, corpus: Corpus) -> RunConfig:

@@ -14,7 +14,9 @@ from cemtool.errors import CemtoolError
 
 
 def guarded(fn: Callable) -> Callable:
-    """Turn cemtool errors into one line and exit 1; usage errors stay Click's (exit 2); Ctrl-C exits 130."""
+    """Turn cemtool errors into one line and exit 1; usage errors stay Click's (exit 2); Ctrl-C exits 130.
+    An OSError that reaches here (a file that cannot be read or written) is a user error too: one line naming the
+    path and the cause."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -24,6 +26,11 @@ def guarded(fn: Callable) -> Callable:
             raise
         except CemtoolError as e:
             error_line(e)
+            raise typer.Exit(1) from None
+        except OSError as e:
+            if DEBUG:
+                raise
+            error_line(os_error_line(e))
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             error_line(CemtoolError("interrupted"))
@@ -35,3 +42,10 @@ def guarded(fn: Callable) -> Callable:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def os_error_line(e: OSError) -> CemtoolError:
+    """'<cause>: <path>' for an OSError, e.g. 'No space left on device: runs/x/meta.json'."""
+    cause = e.strerror or str(e) or type(e).__name__
+    where = f": {e.filename}" if e.filename else ""
+    return CemtoolError(f"{cause}{where}" + (f" -> {e.filename2}" if e.filename2 else ""))

@@ -18,7 +18,8 @@ def runs(
     root: Annotated[Path, typer.Argument(help="a run, or a folder searched for runs")] = Path("runs"),
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """List runs with status, steps and last validation loss."""
+    """List runs with status, steps and last validation loss. A run marked running whose process is gone (killed)
+    shows as 'stopped'; unreadable lines of metrics.jsonl are skipped with a note."""
     from cemtool.runs import list_runs
 
     rows = list_runs(root)
@@ -29,6 +30,9 @@ def runs(
     console.table(f"runs under {root}", ["run", "arch", "seed", "status", "step", "val loss", "floor"],
                   [[r["run"], r.get("arch"), r.get("seed"), r["status"], r.get("step"), fmt(r.get("val_loss")),
                     fmt(r.get("floor"))] for r in rows])
+    for r in rows:
+        for note in r.get("notes", []):
+            console.info(f"note: {r['run']}: {note}")
 
 
 @app.command()

@@ -259,8 +259,7 @@ def sweep(
             corpus = corpora[key]
             cfg = finalize_model_config(cfg, corpus)
             writer = create_run(run_dir, cfg, force=True, argv=sys.argv, device=str(dev),
-                                extra_meta={"corpus": corpus.info, "sweep": str(root)})
-            corpus.tokenizer.save(writer.path / "tokenizer.json")
+                                extra_meta={"corpus": corpus.info, "sweep": str(root)}, tokenizer=corpus.tokenizer)
 
             def cb(ev: dict, k=k, name=p.name) -> None:
                 if ev["kind"] == "step":

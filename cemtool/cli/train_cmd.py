@@ -39,6 +39,8 @@ class ProgressReporter:
         self.bar.__exit__(*exc)
 
     def __call__(self, ev: dict) -> None:
+        if ev["kind"] == "note":  # e.g. a corrupt checkpoint skipped on resume: shown even when quiet
+            console.info(f"note: {ev['message']}")
         if self.quiet:
             return
         kind = ev["kind"]
@@ -130,9 +132,7 @@ def train(
             raise CemtoolError(f"run {resume} is already completed")
         cfg = run.config()
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(run.path / "tokenizer.json"))
-        if rank == 0:
-            run.update_meta(status="running", resumed=meta.get("resumed", 0) + 1, device=str(dev))
-        writer = run if rank == 0 else None
+        writer = run if rank == 0 else None  # train() marks it running again once its checkpoint has loaded
     else:
         cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
         if config and len(config) > 1:
@@ -155,8 +155,7 @@ def train(
         writer = None
         if rank == 0:
             writer = create_run(out, cfg, force=force, argv=sys.argv, device=str(dev),
-                                extra_meta={"corpus": corpus.info, "world_size": world})
-            corpus.tokenizer.save(writer.path / "tokenizer.json")
+                                extra_meta={"corpus": corpus.info, "world_size": world}, tokenizer=corpus.tokenizer)
             console.info(f"run directory: {writer.path}", quiet)
     try:
         with ProgressReporter(quiet) as rep:
