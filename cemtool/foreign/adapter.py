@@ -1,0 +1,303 @@
+"""The seam between a Hugging Face causal LM and cemtool's analyses: :class:`ForeignLM`.
+
+A ForeignLM holds the transformers model and shows it under cemtool's names, so that every analysis reads it as it
+reads a model cemtool trained:
+
+- ``forward(idx) -> logits`` (B, T, V), the transformers forward itself (``use_cache=False``);
+- the parameters under cemtool's names: ``tok_emb``, ``pos_emb`` (learned positions), ``blocks.N.layer.<the
+  model's own names inside a layer>``, ``ln_f``, ``head`` (so ``layer:N``, ``attn``, ``mlp``, ``embed`` and globs on
+  the model's own module names such as ``*.q_proj.weight`` select parameters as for cemtool's models);
+- the hook points of cemtool's blocks (:mod:`cemtool.models.capture`): ``blocks.N.attn.q``/``k``/``v`` (B, heads, T,
+  d_h) after the projections and before RoPE, ``blocks.N.attn.pattern`` (B, H, T, T), ``blocks.N.attn.z`` (B, H, T,
+  d_h) before the output projection, ``blocks.N.resid_pre``/``resid_mid``/``resid_post`` (B, T, d),
+  ``blocks.N.mlp.out`` (B, T, d) and ``final`` (B, T, d) after the final norm. They are fed by forward hooks on the
+  transformers modules; a point that is neither captured nor hooked costs one attribute test per call.
+- ``blocks.N.attn`` also carries what rank truncation reads: ``n_head``, ``head_dim``, ``rotary`` and ``wq``/``wk``
+  whose ``.weight`` is the (H d_h, d [+1]) matrix of the queries/keys of each query head in the hook points'
+  coordinates (a bias is the last column, acting on a constant 1 input; a key-value head shared by several query
+  heads is repeated for each).
+
+What differs between families (where the projections sit, how q, k and v are packed in their outputs) is a
+:class:`Family`, one short file per family (gpt2.py, gpt_neox.py, llama.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cemtool.config import ModelConfig
+from cemtool.errors import CemtoolError
+from cemtool.models.capture import HookPoint
+
+
+@dataclass
+class Shape:
+    """The attention shape of every layer."""
+
+    n_head: int  # query heads
+    n_kv_head: int  # key-value heads (GQA/MQA: fewer than n_head)
+    head_dim: int
+    rotary_dims: int  # 0: no RoPE (learned positions); < head_dim: partial rotary (GPT-NeoX)
+
+
+@dataclass
+class Projection:
+    """Where one of q, k, v lies in the output of a projection module: ``index`` (heads * d_h,) picks its features
+    head by head, in the order of the hook point's coordinates."""
+
+    module: nn.Module
+    point: str  # "q" | "k" | "v"
+    index: torch.Tensor
+    heads: int
+
+
+@dataclass
+class Backbone:
+    tok_emb: nn.Module
+    pos_emb: nn.Module | None
+    layers: nn.ModuleList
+    ln_f: nn.Module
+    head: nn.Module
+
+
+class Family:
+    """One family of transformers models: where its modules are. Subclasses fill in these methods."""
+
+    name = "?"
+    model_types: tuple[str, ...] = ()
+
+    def backbone(self, hf: nn.Module) -> Backbone:
+        raise NotImplementedError
+
+    def shape(self, config) -> Shape:
+        raise NotImplementedError
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        """The module whose output is (attention output, probabilities)."""
+        raise NotImplementedError
+
+    def out_proj(self, layer: nn.Module) -> nn.Module:
+        """The module whose input is the per-head outputs z (B, T, H d_h)."""
+        raise NotImplementedError
+
+    def mid_norm(self, layer: nn.Module) -> nn.Module | None:
+        """The module whose input is the residual stream between attention and MLP (None: parallel residual)."""
+        raise NotImplementedError
+
+    def mlp(self, layer: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def projections(self, layer: nn.Module, shape: Shape) -> list[Projection]:
+        raise NotImplementedError
+
+
+def rope_order(head_dim: int, rotary_dims: int) -> torch.Tensor:
+    """A permutation of a head's coordinates after which the RoPE planes are (p, p + d_h/2), as cemtool's RoPE and
+    rank truncation assume: with partial rotary (the first ``rotary_dims`` coordinates rotate in pairs (i, i + r/2))
+    the unrotated coordinates are split between the two halves (pairs of them form planes that do not rotate)."""
+    r, u = rotary_dims // 2, (head_dim - rotary_dims) // 2
+    first = list(range(r)) + list(range(rotary_dims, rotary_dims + u))
+    second = list(range(r, rotary_dims)) + list(range(rotary_dims + u, head_dim))
+    return torch.tensor(first + second, dtype=torch.long)  # (d_h,)
+
+
+def weight_rows(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight as (out, in), bias (out,) or None) of a Linear or of GPT-2's Conv1D (whose weight is (in, out))."""
+    w = module.weight
+    if hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
+        w = w.T
+    return w, getattr(module, "bias", None)
+
+
+def _live(point: HookPoint) -> bool:
+    return point.callback is not None or bool(point._forward_hooks) or bool(point._forward_pre_hooks)
+
+
+class _Weight:
+    """``.weight`` of the queries or keys of every query head, computed from the live parameters."""
+
+    def __init__(self, proj: Projection, repeat: int):
+        self.proj, self.repeat = proj, repeat
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w, b = weight_rows(self.proj.module)
+        rows = w[self.proj.index]  # (heads*d_h, d)
+        if b is not None:
+            rows = torch.cat([rows, b[self.proj.index][:, None]], dim=1)  # (heads*d_h, d+1)
+        if self.repeat > 1:
+            dh = rows.shape[0] // self.proj.heads
+            rows = rows.view(self.proj.heads, dh, -1).repeat_interleave(self.repeat, 0).reshape(-1, rows.shape[1])
+        return rows  # (H*d_h, d[+1])
+
+
+class ForeignAttention(nn.Module):
+    """Hook points q, k, v, pattern, z of one layer and the shape rank truncation reads (no parameters)."""
+
+    def __init__(self, shape: Shape, projections: list[Projection]):
+        super().__init__()
+        self.n_head, self.head_dim, self.n_kv_head = shape.n_head, shape.head_dim, shape.n_kv_head
+        self.rotary = {"dims": shape.rotary_dims} if shape.rotary_dims else None
+        self.q, self.k, self.v = HookPoint(), HookPoint(), HookPoint()
+        self.pattern, self.z = HookPoint(), HookPoint()
+        self._proj = {p.point: p for p in projections}  # plain dict: the modules stay registered under layer
+
+    @property
+    def wq(self) -> _Weight:
+        return _Weight(self._proj["q"], 1)
+
+    @property
+    def wk(self) -> _Weight:
+        return _Weight(self._proj["k"], self.n_head // self.n_kv_head)
+
+
+class _MLPPoints(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.out = HookPoint()
+
+
+class ForeignBlock(nn.Module):
+    """One transformers decoder layer (``layer``) with cemtool's hook points around it."""
+
+    def __init__(self, layer: nn.Module, fam: Family, shape: Shape):
+        super().__init__()
+        self.layer = layer
+        self.attn = ForeignAttention(shape, fam.projections(layer, shape))
+        self.mlp = _MLPPoints()
+        self.resid_pre, self.resid_post = HookPoint(), HookPoint()
+        mid = fam.mid_norm(layer)
+        self.resid_mid = HookPoint() if mid is not None else None
+        by_module: dict[int, list[Projection]] = {}
+        for p in self.attn._proj.values():
+            by_module.setdefault(id(p.module), []).append(p)
+        for projs in by_module.values():
+            projs[0].module.register_forward_hook(_Heads(self.attn, projs))
+        fam.attention(layer).register_forward_hook(_Pattern(self.attn.pattern))
+        fam.out_proj(layer).register_forward_pre_hook(_Input(self.attn.z, heads=shape.n_head))
+        fam.mlp(layer).register_forward_hook(_Output(self.mlp.out))
+        layer.register_forward_pre_hook(_Input(self.resid_pre), with_kwargs=True)
+        layer.register_forward_hook(_Output(self.resid_post))
+        if mid is not None:
+            mid.register_forward_pre_hook(_Input(self.resid_mid))
+
+
+# The hooks are small objects rather than closures, so that a deep copy of the model (an fp64 copy for the Hessian)
+# gets hooks that feed its own hook points.
+
+
+class _Heads:
+    """Forward hook on a q/k/v projection: its output, head by head, through the hook points."""
+
+    def __init__(self, attn: ForeignAttention, projs: list[Projection]):
+        self.attn, self.projs = attn, projs
+
+    def __call__(self, _mod, _inp, out: torch.Tensor):
+        live = [p for p in self.projs if _live(getattr(self.attn, p.point))]
+        if not live:
+            return None
+        B, T, _ = out.shape
+        new = None
+        for p in live:
+            x = out[..., p.index].view(B, T, p.heads, -1).transpose(1, 2)  # (B, heads, T, d_h)
+            y = getattr(self.attn, p.point)(x)
+            if y is not x:
+                new = out.clone() if new is None else new
+                new[..., p.index] = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads*d_h)
+        return new
+
+
+class _Pattern:
+    """Forward hook on an attention module returning (output, probabilities): the probabilities, read only."""
+
+    def __init__(self, point: HookPoint):
+        self.point = point
+
+    def __call__(self, _mod, _inp, out):
+        probs = out[1] if isinstance(out, tuple) and len(out) > 1 else None
+        if torch.is_tensor(probs) and probs.dim() == 4 and _live(self.point):
+            self.point(probs)  # (B, H, T, T)
+        return None
+
+
+class _Output:
+    """Forward hook: a module's output (a tensor, or a tuple whose first element is it) through a hook point."""
+
+    def __init__(self, point: HookPoint):
+        self.point = point
+
+    def __call__(self, _mod, _inp, out):
+        if not _live(self.point):
+            return None
+        x = out[0] if isinstance(out, tuple) else out
+        y = self.point(x)
+        if y is x:
+            return None
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+
+class _Input:
+    """Forward pre-hook: a module's first input (positional or ``hidden_states=``) through a hook point; with
+    ``heads`` the (B, T, H d_h) input is shown per head (B, H, T, d_h)."""
+
+    def __init__(self, point: HookPoint, heads: int = 0):
+        self.point, self.heads = point, heads
+
+    def __call__(self, _mod, args, kwargs=None):
+        if not _live(self.point):
+            return None
+        x = args[0] if args else kwargs["hidden_states"]
+        B, T, _ = x.shape
+        shown = x.view(B, T, self.heads, -1).transpose(1, 2) if self.heads else x  # (B, H, T, d_h) or (B, T, d)
+        y = self.point(shown)
+        if y is shown:
+            return None
+        y = y.transpose(1, 2).reshape(B, T, -1) if self.heads else y
+        if kwargs is None:
+            return (y, *args[1:])
+        return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
+
+
+class ForeignLM(nn.Module):
+    """A transformers causal LM under cemtool's names and hook points. ``forward(idx) -> logits`` (B, T, V)."""
+
+    family = "foreign"
+
+    def __init__(self, hf: nn.Module, fam: Family, arch: str):
+        super().__init__()
+        parts = fam.backbone(hf)
+        shape = fam.shape(hf.config)
+        self.tok_emb = parts.tok_emb
+        self.pos_emb = parts.pos_emb
+        self.blocks = nn.ModuleList([ForeignBlock(layer, fam, shape) for layer in parts.layers])
+        self.ln_f = parts.ln_f
+        self.final = HookPoint()
+        self.head = parts.head
+        self.hf = hf  # registered last: its parameters keep the names above
+        self.adapter = fam.name
+        self.shape = shape
+        self.max_seq_len = int(getattr(hf.config, "max_position_embeddings", 0) or getattr(hf.config, "n_positions", 0)
+                               or 1 << 20)
+        parts.ln_f.register_forward_hook(_Output(self.final))
+        c = hf.config
+        self.cfg = ModelConfig(arch=arch, n_layer=len(self.blocks), d_model=int(c.hidden_size), n_head=shape.n_head,
+                               head_dim=shape.head_dim, vocab_size=int(c.vocab_size), max_seq_len=self.max_seq_len,
+                               pos="rope" if shape.rotary_dims else "learned",
+                               tie_embeddings=parts.head.weight is parts.tok_emb.weight)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, V)."""
+        if idx.shape[1] > self.max_seq_len:
+            raise CemtoolError(f"sequence of {idx.shape[1]} tokens is longer than the model's "
+                               f"max_position_embeddings {self.max_seq_len}")
+        return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+
+    def describe(self) -> dict:
+        s = self.shape
+        return {"adapter": self.adapter, "layers": len(self.blocks), "d_model": self.cfg.d_model,
+                "heads": s.n_head, "kv_heads": s.n_kv_head, "head_dim": s.head_dim, "rotary_dims": s.rotary_dims,
+                "vocab_size": self.cfg.vocab_size, "max_seq_len": self.max_seq_len,
+                "parameters": sum(p.numel() for p in self.parameters())}

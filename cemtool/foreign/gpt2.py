@@ -1,0 +1,43 @@
+"""GPT-2: learned positions, LayerNorm, one fused c_attn (Conv1D) for q, k, v.
+
+    transformer.wte + transformer.wpe -> transformer.h[i] (ln_1, attn{c_attn, c_proj}, ln_2, mlp) ->
+    transformer.ln_f -> lm_head (tied to wte)
+
+Hook points: q, k, v are the three d-wide thirds of c_attn's output (biases included); resid_mid is the input of
+ln_2; z the input of attn.c_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cemtool.foreign.adapter import Backbone, Family, Projection, Shape
+
+
+class GPT2(Family):
+    name = "gpt2"
+    model_types = ("gpt2",)
+
+    def backbone(self, hf):
+        t = hf.transformer
+        return Backbone(hf.get_input_embeddings(), t.wpe, t.h, t.ln_f, hf.get_output_embeddings())
+
+    def shape(self, c) -> Shape:
+        return Shape(c.n_head, c.n_head, c.n_embd // c.n_head, 0)
+
+    def attention(self, layer):
+        return layer.attn
+
+    def out_proj(self, layer):
+        return layer.attn.c_proj
+
+    def mid_norm(self, layer):
+        return layer.ln_2
+
+    def mlp(self, layer):
+        return layer.mlp
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        d = s.n_head * s.head_dim
+        return [Projection(layer.attn.c_attn, p, torch.arange(i * d, (i + 1) * d), s.n_head)
+                for i, p in enumerate("qkv")]

@@ -1,0 +1,47 @@
+"""Llama-like models (Llama, Mistral, Qwen2): pre-norm RMSNorm, RoPE, separate q/k/v projections, GQA.
+
+    model.embed_tokens -> model.layers[i] (input_layernorm, self_attn{q,k,v,o}_proj, post_attention_layernorm,
+    mlp) -> model.norm -> lm_head
+
+Hook points: q/k/v are the outputs of q_proj/k_proj/v_proj (biases included, Qwen2), k and v with the model's
+key-value heads; resid_mid is the input of post_attention_layernorm; z the input of o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cemtool.foreign.adapter import Backbone, Family, Projection, Shape
+
+
+class LlamaLike(Family):
+    name = "llama"
+    model_types = ("llama", "mistral", "qwen2")
+
+    def backbone(self, hf):
+        return Backbone(hf.get_input_embeddings(), None, hf.model.layers, hf.model.norm, hf.get_output_embeddings())
+
+    def shape(self, c) -> Shape:
+        heads = c.num_attention_heads
+        dh = getattr(c, "head_dim", None) or c.hidden_size // heads
+        rope = getattr(c, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0
+        return Shape(heads, getattr(c, "num_key_value_heads", None) or heads, dh, int(dh * factor))
+
+    def attention(self, layer):
+        return layer.self_attn
+
+    def out_proj(self, layer):
+        return layer.self_attn.o_proj
+
+    def mid_norm(self, layer):
+        return layer.post_attention_layernorm
+
+    def mlp(self, layer):
+        return layer.mlp
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        a = layer.self_attn
+        return [Projection(a.q_proj, "q", torch.arange(s.n_head * s.head_dim), s.n_head),
+                Projection(a.k_proj, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head),
+                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]

@@ -1,0 +1,254 @@
+"""Load a model cemtool did not train: a local Hugging Face directory or ``hf:ORG/NAME[@REVISION]``.
+
+Rules (docs/models.md):
+
+- safetensors only: a directory whose weights are only pickles (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) is
+  refused before anything is read, and transformers is called with ``use_safetensors=True``; an ``hf:`` download
+  fetches only safetensors, JSON and tokenizer files;
+- ``hf:`` ids resolve through huggingface_hub's own cache (``HF_HOME``, ``HF_HUB_OFFLINE=1`` honoured);
+- the model is loaded in float32 with ``attn_implementation="eager"`` (double backward for Hessians, attention
+  probabilities for collapse and saturation) and wrapped in :class:`~cemtool.foreign.adapter.ForeignLM`;
+- its own tokenizer (``tokenizer.json``, else the files transformers converts to one);
+- at load, the adapter's logits (with every hook point captured) are compared with the plain transformers forward
+  (no hooks; the default attention kernel) on a few sequences; a mismatch beyond 1e-5 is refused, and the check is
+  recorded in the source description every report's provenance carries.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from cemtool.errors import CemtoolError
+
+PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
+TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
+SOURCE_FILE = "model_source.json"  # written beside the reports: what was loaded (read by report.provenance)
+
+
+def family_adapters() -> dict:
+    from cemtool.foreign.gpt2 import GPT2
+    from cemtool.foreign.gpt_neox import GPTNeoX
+    from cemtool.foreign.llama import LlamaLike
+
+    return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike()) for t in fam.model_types}
+
+
+def is_hf_dir(path: Path) -> bool:
+    """A directory with a transformers config.json (``model_type``), not a cemtool run."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file() or (Path(path) / "meta.json").is_file():
+        return False
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data and "schema_version" not in data
+
+
+def is_foreign(source: str | Path) -> bool:
+    s = str(source)
+    return s.startswith("hf:") or is_hf_dir(Path(s))
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise CemtoolError("loading Hugging Face models needs the transformers package",
+                           hint='install the extra: pip install -e ".[hf]"') from None
+    transformers.utils.logging.disable_progress_bar()  # cemtool prints its own progress
+    return transformers
+
+
+# --------------------------------------------------------------------------------------------------------------
+# where the files are
+
+
+def parse_hub_id(spec: str) -> tuple[str, str | None]:
+    """'hf:ORG/NAME[@REVISION]' -> (ORG/NAME, REVISION or None)."""
+    body = spec[len("hf:"):]
+    repo, _, rev = body.partition("@")
+    if not re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", repo) or (rev == "" and "@" in body):
+        raise CemtoolError(f"{spec!r} is not a Hugging Face model id", hint="write hf:ORG/NAME or hf:ORG/NAME@REVISION")
+    return repo, rev or None
+
+
+def hub_snapshot(spec: str) -> tuple[Path, dict]:
+    """The local snapshot directory of an hf: id (downloaded into the huggingface_hub cache if allowed)."""
+    repo, rev = parse_hub_id(spec)
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CemtoolError("hf: ids need the huggingface_hub package",
+                           hint='install the extra: pip install -e ".[hf]"') from None
+    try:
+        path = Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES))
+    except Exception as e:  # offline without cache, unknown repo or revision, network errors: one line each
+        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise CemtoolError(f"{spec}: the model is not in the Hugging Face cache and could not be downloaded "
+                           f"({type(e).__name__}: {why})",
+                           hint=f"on a machine with network access run `huggingface-cli download {repo}"
+                                f"{' --revision ' + rev if rev else ''}` (HF_HOME selects the cache), or pass a "
+                                f"local directory written by save_pretrained") from None
+    return path, {"kind": "hf-hub", "repo": repo, "revision": rev, "commit": path.name}
+
+
+def check_files(path: Path) -> list[Path]:
+    """The safetensors weight files of a model directory; refuse pickle-only directories without opening them."""
+    weights = sorted(path.glob("*.safetensors"))
+    if weights:
+        return weights
+    pickles = sorted({p.name for pat in PICKLES for p in path.glob(pat)})
+    if pickles:
+        raise CemtoolError(f"{path} holds only pickle weights ({', '.join(pickles[:3])}): cemtool never unpickles "
+                           f"files, since loading a pickle can run arbitrary code",
+                           hint="convert them where you trust them: model.save_pretrained(dir, "
+                                "safe_serialization=True)")
+    raise CemtoolError(f"{path} holds no *.safetensors weights", hint="write the model with save_pretrained")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the model
+
+
+def read_config(path: Path):
+    """transformers' config of the directory, refusing unknown types and models that are not causal LMs."""
+    transformers = _transformers()
+    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    mt = raw.get("model_type")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError) as e:
+        raise CemtoolError(f"{path}: unknown model type {mt!r} ({str(e).splitlines()[0][:100]})",
+                           hint="the transformers installed here cannot build it; update transformers or pass "
+                                "a supported model") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
+
+    encoder = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
+    if getattr(config, "is_encoder_decoder", False) or encoder or type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        kind = "an encoder-decoder" if getattr(config, "is_encoder_decoder", False) else \
+            "an encoder-only (bidirectional)" if encoder else "not a causal"
+        raise CemtoolError(f"{path}: model type {mt!r} is {kind} language model; cemtool analyses next-token "
+                           f"(causal) language models", hint="pass a decoder-only model (GPT-2, Pythia, Llama, ...)")
+    return config
+
+
+def load_hf_model(path: Path, config):
+    """AutoModelForCausalLM from safetensors, float32, eager attention, eval mode."""
+    transformers = _transformers()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), config=config, use_safetensors=True, local_files_only=True, attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise CemtoolError(f"{path}: transformers could not load the model ({str(e).splitlines()[0][:160]})") from None
+    return model.float().eval()
+
+
+def load_hf_tokenizer(path: Path):
+    """The model's own tokenizer as a cemtool Tokenizer (kind 'hf')."""
+    from tokenizers import Tokenizer as Fast
+
+    from cemtool.data.tokenizer import Tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer(Fast.from_file(str(path / "tokenizer.json")), "hf")
+    transformers = _transformers()
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+    except Exception as e:  # missing or unreadable tokenizer files
+        raise CemtoolError(f"{path}: no usable tokenizer ({str(e).splitlines()[0][:120]})",
+                           hint="save it beside the model: tokenizer.save_pretrained(dir)") from None
+    if not hasattr(tok, "backend_tokenizer"):
+        raise CemtoolError(f"{path}: the tokenizer has no fast (tokenizers) form")
+    return Tokenizer(tok.backend_tokenizer, "hf")
+
+
+def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> dict:
+    """The adapter's logits (every hook point captured) against the plain transformers forward (no hooks; the
+    model's default attention kernel where this transformers can switch to it) on random token sequences."""
+    import torch
+
+    from cemtool.models.capture import capture
+
+    hf = model.hf
+    T = min(tokens, model.max_seq_len)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, int(hf.config.vocab_size), (sequences, T), generator=g)  # (S, T)
+    with torch.no_grad(), capture(model, None):
+        ours = model(idx).float()  # (S, T, V)
+    # the adapter's hooks stay installed: with no point captured they return None and change nothing
+    reference = "eager"
+    switch = getattr(hf, "set_attn_implementation", None)
+    try:
+        if switch is not None:
+            try:
+                switch("sdpa")
+                reference = "sdpa"
+            except (ValueError, ImportError, AttributeError):
+                reference = "eager"
+        with torch.no_grad():
+            plain = hf(input_ids=idx, use_cache=False).logits.float()
+    finally:
+        if reference != "eager":
+            switch("eager")
+    diff = float((ours - plain).abs().max())
+    scale = max(1.0, float(plain.abs().max()))
+    return {"sequences": sequences, "tokens": T, "max_abs_diff": diff, "scale": scale, "tolerance": TOLERANCE,
+            "reference": f"transformers {_transformers().__version__} AutoModelForCausalLM forward "
+                         f"({reference} attention, no hooks)", "passed": diff <= TOLERANCE * scale}
+
+
+def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = None, seq_len: int | None = None,
+                 checkpoint: str | int = "final"):
+    """A :class:`cemtool.runs.LoadedRun` for a local HF directory or an hf: id: the wrapped model (eval mode), a
+    RunConfig whose data section is ``data`` (default ``pydoc``) read with the model's tokenizer, the tokenizer,
+    and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
+    import torch
+
+    from cemtool.config import DataConfig, RunConfig
+    from cemtool.foreign.adapter import ForeignLM
+    from cemtool.runs import LoadedRun, Run, atomic_write_json
+
+    spec = str(source)
+    if checkpoint not in ("final", "latest"):
+        raise CemtoolError(f"--checkpoint {checkpoint} applies to cemtool runs; {spec} is one set of weights",
+                           hint="pick another revision with hf:ORG/NAME@REVISION")
+    _transformers()
+    if spec.startswith("hf:"):
+        path, where = hub_snapshot(spec)
+        home = Path("runs") / "hf" / re.sub(r"[^A-Za-z0-9_.@-]+", "--", spec[len("hf:"):])
+    else:
+        path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).resolve())}
+        if not path.is_dir():
+            raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
+        home = path
+    weights = check_files(path)
+    config = read_config(path)
+    fam = family_adapters().get(config.model_type)
+    if fam is None:
+        raise CemtoolError(f"{spec}: model type {config.model_type!r} has no cemtool adapter",
+                           hint=f"supported: {', '.join(sorted(family_adapters()))} (docs/models.md says how to add "
+                                f"one)")
+    tok = load_hf_tokenizer(path)
+    hf = load_hf_model(path, config)
+    model = ForeignLM(hf, fam, arch=f"hf-{config.model_type}")
+    check = logits_check(model)
+    if not check["passed"]:
+        raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
+                           f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
+                           hint="report it with the model's config.json")
+    model.to(torch.device(device) if not isinstance(device, torch.device) else device)
+    T = min(seq_len or DataConfig().seq_len, model.max_seq_len)
+    cfg = RunConfig(model=model.cfg, data=DataConfig(source=data or "pydoc", seq_len=T))
+    described = {"source": spec, **where, "model_type": config.model_type,
+                 "architectures": list(getattr(config, "architectures", None) or []),
+                 "weights": [w.name for w in weights], "transformers": _transformers().__version__,
+                 "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
+                 "logits_check": check}
+    run = Run(home)
+    atomic_write_json(run.path / SOURCE_FILE, described)
+    return LoadedRun(model, cfg, tok, run, weights[0], None)
