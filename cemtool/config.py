@@ -166,6 +166,11 @@ class TrainConfig:
     beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=1.0)
     eps: float = opt(1e-8, "AdamW epsilon", min=0.0, max=1.0)
+    optimizer: str = opt("adamw", "adamw for every parameter, or muon: Muon for the blocks' Linear weights and AdamW "
+                                  "for the rest (embeddings, head, norms, scalars, routers)", choices=("adamw", "muon"))
+    muon_lr: float = opt(0.02, "Muon's peak learning rate (train.optimizer=muon; same warmup and decay as lr)",
+                         min=0.0, max=100.0)
+    muon_momentum: float = opt(0.95, "Muon's momentum (Nesterov)", min=0.0, max=1.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 = off)", min=0.0, max=1e6)
     eval_every: int = opt(200, "evaluate every N steps (and at step 0 and the end)", min=1, max=10**9)
     eval_tokens: int = opt(32_768, "validation tokens per evaluation (fixed windows)", min=1, max=1 << 30)

@@ -1,6 +1,6 @@
 """The training loop: a function that takes configs and a run and reports progress through a callback.
 
-AdamW with named parameter groups (decay / no_decay / any group a family declares, each with its own
+AdamW or Muon + AdamW (cemtool/optim.py) with named groups (decay / no_decay / any group a family declares, each its own
 learning-rate multiplier), warmup then cosine / constant / warmup-stable-decay, gradient clipping and
 accumulation, evaluation on fixed validation windows beside the corpus's entropy floor, safetensors checkpoints
 that resume bit-exactly on the CPU, and DistributedDataParallel under ``torchrun`` (rank 0 alone writes).
@@ -24,6 +24,7 @@ from cemtool.data.corpus import Corpus, batch_starts, windows
 from cemtool.errors import CemtoolError
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
+from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
 from cemtool.runs import Run, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 
 Callback = Callable[[dict], None]
@@ -80,33 +81,6 @@ def autocast_for(device: torch.device, precision: str):
 
 # --------------------------------------------------------------------------------------------------------------
 # optimizer and schedule
-
-
-def param_groups(model: torch.nn.Module, tc: TrainConfig) -> list[dict]:
-    """Named AdamW groups. Matrices of Linear layers decay; norms, biases, scalars and embeddings do not.
-    A family may tag a parameter with ``p.opt_group = "name"`` and ``p.lr_mult = x`` (e.g. LIMe's routers)."""
-    emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    groups: dict[str, dict] = {}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        default = "decay" if (p.dim() >= 2 and id(p) not in emb_ids) else "no_decay"
-        g = getattr(p, "opt_group", default)
-        lr_mult = float(getattr(p, "lr_mult", 1.0))
-        wd = tc.weight_decay if g == "decay" else float(getattr(p, "weight_decay", 0.0))
-        entry = groups.setdefault(g, {"name": g, "params": [], "param_names": [], "lr_mult": lr_mult,
-                                      "weight_decay": wd})
-        entry["params"].append(p)
-        entry["param_names"].append(name)
-    return list(groups.values())
-
-
-def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    groups = param_groups(model, tc)
-    for g in groups:
-        g["lr"] = tc.lr * g["lr_mult"]
-    fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=fused)
 
 
 def lr_at(step: int, total: int, tc: TrainConfig) -> float:
