@@ -20,9 +20,13 @@ from cemtool.runs import atomic_write_json, atomic_write_text, now, read_json, s
 
 def provenance(run_path: str | Path | None = None, *, seed: int | None = None, checkpoint: str | None = None,
                step: int | None = None, **extra: Any) -> dict:
-    """Where a report came from: the run, its checkpoint and step, the seed, versions and time."""
+    """Where a report came from: the run, its checkpoint and step, the seed, versions and time; for a model cemtool
+    did not train, what was loaded and the check of its logits (``model_source.json``, cemtool.foreign)."""
     out = {"run": None if run_path is None else str(run_path), "checkpoint": checkpoint, "step": step,
            "seed": seed, "versions": versions(), "created": now()}
+    source = Path(run_path) / "model_source.json" if run_path is not None else None
+    if source is not None and source.is_file():
+        out["model_source"] = json.loads(source.read_text(encoding="utf-8"))
     out.update(extra)
     return out
 

@@ -735,7 +735,8 @@ __all__ = ["DEFAULT_WORDS", "MIN_PER_CLASS", "Moments", "ProbeClasses", "attenti
            "renyi_entropy", "report_rows", "summarise_attention", "word_start_id"]
 
 
-def measure_run(path, *, label: str | None = None, checkpoint: str = "final", tokens: int = 16384,
+def measure_run(path, *, label: str | None = None, checkpoint: str = "final", data: str | None = None,
+                tokens: int = 16384,
                 seq_len: int | None = None, batch_size: int = 16, alpha: float = 0.5, words: list[str] | None = None,
                 k: int = 4, folds: int = 5, per_class: int = 256, min_per_class: int = MIN_PER_CLASS, seed: int = 0,
                 device: torch.device | str = "cpu",
@@ -743,13 +744,14 @@ def measure_run(path, *, label: str | None = None, checkpoint: str = "final", to
     """Load a run, measure it on its validation windows, return the per-run payload (what
     reports/collapse.json holds under ``runs[0]``): collapse measures, per-layer summary, LIMe routing and
     momentum-stream scalars (each "not applicable" where the architecture has none). The defaults are
-    ``cemtool collapse-report``'s; ``label`` defaults to the run folder's name."""
+    ``cemtool collapse-report``'s; ``label`` defaults to the run folder's name. ``path``: anything
+    :func:`cemtool.runs.load_run` loads; ``data``: evaluation data instead of the run's own."""
     import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
     from cemtool.analysis.routing import lime_routing, stream_scalars
     from cemtool.data.corpus import load_corpus, windows
     from cemtool.runs import load_run
 
-    loaded = load_run(path, checkpoint=checkpoint, device=device)
+    loaded = load_run(path, checkpoint=checkpoint, device=device, data=data)
     cfg = loaded.config
     T = seq_len or cfg.data.seq_len
     if T > cfg.model.max_seq_len:

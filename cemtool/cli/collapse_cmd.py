@@ -78,8 +78,12 @@ def print_summary(payload: dict) -> None:
 @app.command("collapse-report")
 @guarded
 def collapse_report_cmd(
-    runs: Annotated[list[Path], typer.Argument(help="one or more run directories (several: one comparison)")],
+    runs: Annotated[list[Path], typer.Argument(help="one or more run directories, Hugging Face model directories or "
+                                                    "hf:ORG/NAME[@REVISION] (several: one comparison)")],
     checkpoint: Annotated[str, typer.Option(help="final, latest, a step number or a file")] = "final",
+    data: Annotated[Optional[str], typer.Option(help="evaluation data instead of the run's own: a built-in source, "
+                                                "a .txt file/folder or token files, read with the model's tokenizer "
+                                                "(Hugging Face models: default pydoc)")] = None,
     tokens: Annotated[int, typer.Option(help="evaluation tokens from the validation split (whole windows)")]
     = 16384,
     seq_len: Annotated[Optional[int], typer.Option(help="window length; default the run's data.seq_len")] = None,
@@ -128,7 +132,7 @@ def collapse_report_cmd(
     word_list = [w.strip() for w in words.split(",") if w.strip()] if words else None
     taken: set[str] = set()
     labels = [_label(p, taken) for p in runs]
-    options = {"checkpoint": checkpoint, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
+    options = {"checkpoint": checkpoint, "data": data, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
                "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class,
                "min_per_class": min_per_class, "seed": seed}
     measured = []

@@ -98,8 +98,12 @@ def _slug(params: str) -> str:
 @app.command()
 @guarded
 def sharpness(
-    run: Annotated[Path, typer.Argument(help="run directory (from `cemtool train`)")],
+    run: Annotated[Path, typer.Argument(help="a run directory, a Hugging Face model directory, or "
+                                             "hf:ORG/NAME[@REVISION]")],
     checkpoint: Annotated[str, typer.Option(help="final, latest, a step number, or a checkpoint file")] = "final",
+    data: Annotated[Optional[str], typer.Option(help="evaluation data instead of the run's own: a built-in source, "
+                                                "a .txt file/folder or token files, read with the model's tokenizer "
+                                                "(Hugging Face models: default pydoc)")] = None,
     tokens: Annotated[int, typer.Option(help="evaluation tokens N (fixed validation windows); λ_max depends on "
                                               "it. Default 2048 (--quick: 1024)")] = 2048,
     batch_size: Annotated[Optional[int], typer.Option(help="sequences per batch (default: 8192 tokens per batch)",
@@ -169,7 +173,7 @@ def sharpness(
     if tokens <= 0:
         raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
-    loaded = load_run(run, checkpoint, device=dev)
+    loaded = load_run(run, checkpoint, device=dev, data=data)
     x, y = evaluation_set(loaded, tokens)
     arch = loaded.config.model.arch
     ckpt = loaded.checkpoint.name
