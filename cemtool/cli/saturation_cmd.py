@@ -55,8 +55,12 @@ def _ints(text: str, what: str) -> list[int]:
 @sat_app.command("analyze")
 @guarded
 def analyze(
-    run: Annotated[Path, typer.Argument(help="a run directory")],
+    run: Annotated[Path, typer.Argument(help="a run directory, a Hugging Face model directory, or "
+                                             "hf:ORG/NAME[@REVISION]")],
     checkpoint: Annotated[str, typer.Option(help="final, latest, a step number or a file")] = "final",
+    data: Annotated[Optional[str], typer.Option(help="evaluation data instead of the run's own: a built-in source, "
+                                                "a .txt file/folder or token files, read with the model's tokenizer "
+                                                "(Hugging Face models: default pydoc)")] = None,
     tokens: Annotated[int, typer.Option(help="evaluation tokens from the validation split (whole windows)")] = 8192,
     ranks: Annotated[Optional[str], typer.Option(help="comma-separated ranks r; default 0, powers of two, d_h")]
     = None,
@@ -94,7 +98,7 @@ def analyze(
     if rank_list and min(rank_list) < 0:
         raise typer.BadParameter("ranks must be >= 0", param_hint="--ranks")
     dev = pick_device(device)
-    loaded = load_run(run, checkpoint=checkpoint, device=dev)
+    loaded = load_run(run, checkpoint=checkpoint, device=dev, data=data)
     cfg = loaded.config
     T = cfg.data.seq_len
     if tokens < T:
