@@ -128,7 +128,8 @@ def finetune_config(source: RunConfig, target: str, recipe: Recipe, eval_tokens:
     tc = source.train
     return replace_config(source, **{
         "data.source": target, "train.max_steps": recipe.steps, "train.max_tokens": 0, "train.lr": recipe.lr,
-        "train.beta1": recipe.beta1, "train.beta2": recipe.beta2, "train.weight_decay": recipe.weight_decay,
+        "train.optimizer": "adamw", "train.beta1": recipe.beta1, "train.beta2": recipe.beta2,
+        "train.weight_decay": recipe.weight_decay,
         "train.warmup_steps": recipe.warmup_steps, "train.schedule": recipe.schedule,
         "train.min_lr_ratio": recipe.min_lr_ratio, "train.grad_clip": recipe.grad_clip,
         "train.eval_every": recipe.eval_every, "train.ckpt_every": recipe.eval_every,

@@ -138,3 +138,11 @@ def test_muon_run_killed_and_resumed_is_bit_exact(tmp_path, text_file):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = lambda r: [(m["step"], m.get("train_loss"), m.get("val_loss")) for m in r.metrics()]  # noqa: E731
     assert rows(ref) == rows(again)
+
+
+def test_fine_tune_of_a_muon_run_uses_the_adamw_recipe():
+    """The forgetting recipe is AdamW for every variant, whichever optimizer pretrained the source."""
+    from cemtool.forgetting import REFERENCE, finetune_config
+
+    source = resolve(arch="tmm", overrides=["train.optimizer=muon"])
+    assert finetune_config(source, "grammar-b", REFERENCE).train.optimizer == "adamw"
