@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from cemtool.analysis.compare import compare, spearman, welch
 from cemtool.config import replace, resolve, to_dict
+from cemtool.errors import CemtoolError
 from cemtool.sweep import make_plan, run_sweep
 
 from conftest import TINY
@@ -311,3 +312,82 @@ def test_bad_input_one_line(study, tmp_path):
         res = runner.invoke(app(), [*args, "--out", str(tmp_path / "o")])
         assert res.exit_code == 1, (args, res.output)
         assert res.output.startswith("Error:") and message in res.output.splitlines()[0], res.output
+
+
+# ---------------------------------------------------------------------- bits per byte, named reports, settings
+
+
+def test_bits_per_byte_and_perplexity_beside_the_loss(tmp_path):
+    """val_bpb as training wrote it (eval rows of metrics.jsonl), val_ppl = exp(val_loss), with intervals; a run
+    from before bits per byte were recorded gives null and a note."""
+    bpb = {"a0": 1.50, "a1": 1.54, "a2": 1.52, "b0": 1.40, "b1": 1.41, "b2": 1.39}
+    for name, v in bpb.items():
+        d = fake_run(tmp_path, name, "baseline" if name[0] == "a" else "tmm", int(name[1]), 3.0 + v,
+                     sharp=(1.0, -0.1, 1e-3))
+        rows = [{"step": s, "tokens": 100 * s, "val_loss": 3.0 + v + 1 / s, "val_bpb": v + 0.5 / s} for s in (1, 2)]
+        rows.append({"step": 3, "tokens": 300, "val_loss": 3.0 + v, "val_bpb": v})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = compare([tmp_path])
+    got = {Path(r["run"]).name: r for r in p["runs"]}
+    assert all(got[n]["val_bpb"] == v and got[n]["val_ppl"] == pytest.approx(math.exp(3.0 + v)) for n, v in bpb.items())
+    arch = {a["label"]: a for a in p["archs"]}
+    assert arch["baseline"]["val_bpb"]["mean"] == pytest.approx(1.52) and arch["tmm"]["val_bpb"]["n"] == 3
+    pair = next(q for q in p["pairwise"] if q["metric"] == "val_bpb")
+    assert pair["diff"] == pytest.approx(0.12) and pair["lo"] < 0.12 < pair["hi"]
+    early = {Path(r["run"]).name: r for r in compare([tmp_path], at_tokens=150)["runs"]}
+    assert early["a0"]["val_bpb"] == pytest.approx(2.0) and early["a0"]["val_ppl"] == pytest.approx(math.exp(5.5))
+    assert not any("bits per byte" in n for n in p["notes"])
+    fake_run(tmp_path, "old", "baseline", 9, 4.5, sharp=(1.0, -0.1, 1e-3))  # no val_bpb anywhere
+    p = compare([tmp_path])
+    old = next(r for r in p["runs"] if r["run"].endswith("old"))
+    assert old["val_bpb"] is None and old["val_ppl"] == pytest.approx(math.exp(4.5))
+    assert any("bits per byte unknown for 1 run(s) (old)" in n for n in p["notes"])
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "c")])
+    assert res.exit_code == 0 and "val bits/byte" in res.stdout and "val perplexity" in res.stdout
+
+
+def sharpness_report(tokens: int, lmax: float, **options) -> dict:
+    return {"provenance": {"analysis": "sharpness", "backend": "cemtool", "checkpoint": "final.safetensors"},
+            "options": {"params": "all", "lanczos_steps": 20, "device": "cpu", **options}, "tokens": tokens,
+            "eigen": {"top": [lmax], "bottom": [-lmax / 10]}, "traces": []}
+
+
+def test_named_reports_and_mismatched_settings(tmp_path):
+    """compare reads the named report asked for, lists the others, and flags (or with strict refuses) reports
+    measured with different settings; device and batch size do not count."""
+    for seed, tokens in enumerate((1024, 1024, 4096)):
+        d = fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0)
+        (d / "reports" / "sharpness.json").write_text(json.dumps(sharpness_report(tokens, 1.0 + seed,
+                                                                                  device=f"cuda:{seed}")))
+        (d / "reports" / "sharp-4k.json").write_text(json.dumps(sharpness_report(4096, 10.0 + seed, batch_size=seed)))
+    p = compare([tmp_path])
+    assert [r["lambda_max"] for r in p["runs"]] == [1.0, 2.0, 3.0]
+    assert p["mismatch"] == {"sharpness": {"tokens": {"1024": ["r0", "r1"], "4096": ["r2"]}}}
+    assert any("different settings: tokens: 1024 (r0, r1), 4096 (r2)" in n for n in p["notes"])
+    assert any("sharpness reports not compared: sharp-4k" in n for n in p["notes"])
+    with pytest.raises(CemtoolError, match="different settings"):
+        compare([tmp_path], strict=True)
+    named = compare([tmp_path], names={"sharpness": "sharp-4k"}, strict=True)
+    assert [r["lambda_max"] for r in named["runs"]] == [10.0, 11.0, 12.0] and named["mismatch"] == {}
+    assert named["reports"]["sharpness"] == "sharp-4k"
+    assert all(r["settings"]["sharpness"]["tokens"] == 4096 for r in named["runs"])
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--sharpness", "sharp-4k", "-q", "--out",
+                                str(tmp_path / "c")])
+    assert res.exit_code == 0, res.output
+    assert "comparison of" not in res.stdout and "wrote" in res.stdout  # -q: no tables
+    assert "not compared: sharpness" in res.stdout  # the notes still show
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--strict", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 1 and res.output.count("Error:") == 1 and "tokens: 1024" in res.output
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--collapse", "../x", "--out", str(tmp_path / "c")])
+    assert res.exit_code == 1 and res.output.count("Error:") == 1
+
+
+def test_collapse_reports_with_different_options_are_flagged(tmp_path):
+    for seed, alpha in enumerate((0.5, 1.0)):
+        d = fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0, collapse=[(2.0, 0.5)])
+        rep = json.loads((d / "reports" / "collapse.json").read_text())
+        rep["provenance"] = {"command": "collapse-report", "checkpoint": str(d / "checkpoints" / "final.safetensors"),
+                             "options": {"tokens": 2048, "alpha": alpha, "device": "cpu", "checkpoint": "final"}}
+        (d / "reports" / "collapse.json").write_text(json.dumps(rep))
+    p = compare([tmp_path])
+    assert p["mismatch"] == {"collapse": {"alpha": {"0.5": ["r0"], "1.0": ["r1"]}}}

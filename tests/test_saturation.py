@@ -26,7 +26,7 @@ from cemtool.analysis.saturation import (
     weight_factors,
 )
 from cemtool.cli.main import app
-from cemtool.config import DataConfig, replace, resolve
+from cemtool.config import DataConfig, replace, resolve, to_dict
 from cemtool.data.corpus import load_corpus, windows
 from cemtool.errors import CemtoolError
 from cemtool.models import build_model
@@ -152,10 +152,15 @@ def test_allocation_advice_keeps_the_budget_and_is_a_valid_config(tmp_path):
     assert adv["head_dims"] == [16, 16, 4, 2] and adv["budget"] == 256
     assert adv["new_budget"] <= 256 and 256 - adv["new_budget"] < 16
     assert adv["heads"][0] >= adv["heads"][1] > 4 and adv["heads"][2:] == [4, 4]
+    run_cfg = resolve(arch="tmm", overrides=["model.n_layer=4", "model.d_model=64", "data.seq_len=256",
+                                             "data.tokenizer=bpe", "data.bpe_vocab_size=4096", "train.lr=1e-3",
+                                             "train.max_steps=5000"], seed=7, data_source='data/my "text".txt')
     path = tmp_path / "advice.toml"
-    path.write_text(advice_toml(adv, 4, "test"))
-    cfg = resolve(arch="baseline", file=path)
+    path.write_text(advice_toml(adv, to_dict(run_cfg), "test"))
+    cfg = resolve(file=path)  # no --arch, no --set: the file alone is the run's experiment
     assert layer_shapes(cfg.model) == list(zip(adv["heads"], adv["head_dims"], strict=True))
+    changed = replace(run_cfg, **{"model.heads": tuple(adv["heads"]), "model.head_dims": tuple(adv["head_dims"])})
+    assert to_dict(cfg) == to_dict(changed)  # data, seq_len, tokenizer, training, seed: the run's own
     odd = allocation_advice([(2, 8)], {0: 3}, {0: 0.0}, rope=True)
     assert odd["head_dims"] == [4] and odd["heads"] == [4]
 
@@ -243,14 +248,34 @@ def test_saturation_run_command(tiny_run, tmp_path):
     assert "tolerated r" in res.output and "advice" in res.output
     rep = json.loads((run / "reports" / "saturation.json").read_text())
     assert rep["saturation"]["layers"][0]["ranks"][-1] == 16 and (run / "reports" / "saturation.csv").exists()
-    cfg = resolve(arch="baseline", file=run / "reports" / "saturation_advice.toml")
+    cfg = resolve(file=run / "reports" / "saturation_advice.toml")
     assert list(cfg.model.head_dims) == rep["advice"]["head_dims"]
     assert sum(h * d for h, d in layer_shapes(cfg.model)) <= 64
+    own = json.loads((run / "config.json").read_text())  # the run's text data at T = 16, not grammar at 64
+    assert (cfg.data.source, cfg.data.seq_len, cfg.data.tokenizer) == (own["data"]["source"], 16, "byte")
+    assert to_dict(cfg) == {**own, "model": {**own["model"], "heads": rep["advice"]["heads"],
+                                             "head_dims": rep["advice"]["head_dims"]}}
+    assert rep["provenance"]["options"]["tokens"] == 256 and rep["provenance"]["options"]["per_head"] is True
     assert (run / "plots" / "saturation_truncation.png").exists() and (run / "plots" / "saturation_logits.png").exists()
     res = CliRunner().invoke(app, ["saturation", "analyze", str(run), "--tokens", "256", "-q", "--json",
-                                   "--layers-only", "--ranks", "0,4", "--no-plots"])
+                                   "--layers-only", "--ranks", "0,4", "--no-plots", "--name", "sat-r4"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["layers"][0]["ranks"] == [0, 4, 16]
+    named = json.loads((run / "reports" / "sat-r4.json").read_text())  # the first report is kept
+    assert named["provenance"]["options"]["ranks"] == [0, 4] and (run / "reports" / "sat-r4_advice.toml").exists()
+    assert json.loads((run / "reports" / "saturation.json").read_text())["provenance"]["options"]["ranks"] is None
+    from cemtool.report import named_reports
+
+    assert [r.name for r in named_reports(run, kind="saturation")] == ["sat-r4", "saturation"]
+
+
+def test_device_defaults_to_auto_like_every_command():
+    import inspect
+
+    from cemtool.cli.saturation_cmd import analyze, sweep
+
+    assert inspect.signature(analyze).parameters["device"].default == "auto"
+    assert inspect.signature(sweep).parameters["device"].default == "auto"
 
 
 def test_saturation_sweep_command(tmp_path):

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -75,16 +76,26 @@ import torch
 from cemtool.config import RunConfig, to_dict
 from cemtool.errors import CemtoolError
 from cemtool.models.registry import get_arch
-from cemtool.report import csv_text, group_labels, markdown_table, provenance, run_settings, write_report
-from cemtool.runs import atomic_write_text, is_run, open_run, read_json
+from cemtool.report import (
+    csv_text,
+    group_labels,
+    markdown_table,
+    mismatch_text,
+    provenance,
+    run_settings,
+    write_report,
+)
+from cemtool.runs import atomic_write_text, is_run, open_run, read_json, safe_name
 
-METRICS = {"val_loss": "val loss", "params": "params", "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
+METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val perplexity", "params": "params",
+           "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
            "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "forgetting": "forgetting",
            "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
-PAIRWISE = ("val_loss", "forgetting", "plasticity", "trace_per_param", "lambda_max")
+PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "trace_per_param", "lambda_max")
 LAYER_METRICS = {"value_entropy": "H(values)", "separability": "probe(values)"}  # per layer, from collapse.json
 CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
 REPORTS = ("sharpness", "collapse", "forgetting")
+NAMED = ("sharpness", "collapse")  # analyses whose report is chosen by name (``names``); forgetting: by target
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -279,11 +290,45 @@ def _forgetting_of(children: set[Path]) -> dict[str, tuple[Path, dict]]:
     return out
 
 
-def collect(paths: list[str | Path], target: str | None = None,
-            at_tokens: int | None = None) -> tuple[list[dict], list[str]]:
+def _evaluation(run, meta: dict, at_tokens: int | None) -> dict:
+    """val_loss, val_bpb, val_ppl and val_tokens: the final evaluation (meta.json, else the last row of
+    metrics.jsonl), or with ``at_tokens`` the last evaluation at or before that many training tokens. val_bpb is
+    read as training wrote it (null for runs from before it did); val_ppl = exp(val_loss)."""
+    evals = [m for m in run.metrics()
+             if isinstance(m.get("val_loss"), (int, float)) and isinstance(m.get("tokens"), int)]
+    if at_tokens is None:
+        last = evals[-1] if evals else {}
+        out = {"val_loss": meta.get("val_loss"), "val_tokens": meta.get("tokens"),
+               "val_bpb": meta.get("val_bpb", last.get("val_bpb"))}
+    else:
+        row = next((m for m in reversed(evals) if m["tokens"] <= at_tokens), {})
+        out = {"val_loss": row.get("val_loss"), "val_tokens": row.get("tokens"), "val_bpb": row.get("val_bpb")}
+    loss = out["val_loss"]
+    out["val_ppl"] = math.exp(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) and loss < 700 else None
+    return out
+
+
+def _named(run_path: Path, kind: str, name: str) -> tuple[Path | None, dict | None, dict, list[str]]:
+    """The report ``name`` of analysis ``kind`` in a run (path, content, options; None when absent) and the names
+    of the run's other reports of that analysis."""
+    from cemtool.report import named_reports
+
+    found = named_reports(run_path, kind=kind)
+    mine = next((r for r in found if r.name == name and r.report is not None), None)
+    others = [r.name for r in found if r.name != name]
+    if mine is None:
+        return None, None, {}, others
+    return mine.path, mine.report, mine.options, others
+
+
+def collect(paths: list[str | Path], target: str | None = None, at_tokens: int | None = None,
+            names: dict[str, str] | None = None) -> tuple[list[dict], list[str]]:
     """One record per source run (see the module docstring) and notes on what was skipped. ``at_tokens``: take
     each run's validation loss from its last evaluation at or before that many training tokens (metrics.jsonl)
-    instead of the final one."""
+    instead of the final one. ``names``: which named report of each analysis to read (default
+    ``{"sharpness": "sharpness", "collapse": "collapse"}``); each record's ``settings`` holds the options that
+    report was measured with, and ``other_reports`` the run's other reports of that analysis."""
+    names = {**{k: k for k in NAMED}, **(names or {})}
     finder = _Finder()
     for p in paths:
         finder.add(Path(p))
@@ -308,15 +353,10 @@ def collect(paths: list[str | Path], target: str | None = None,
         item = finder.study_items.get(u, {})
         configs[str(u)] = run_settings(to_dict(cfg), get_arch(cfg.model.arch).family)
         rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed,
-                     "val_loss": meta.get("val_loss"), "val_floor": meta.get("val_floor"),
-                     "tokens": meta.get("tokens"), "val_tokens": meta.get("tokens")}
-        if at_tokens is not None:
-            evals = [m for m in run.metrics() if isinstance(m.get("val_loss"), (int, float))
-                     and isinstance(m.get("tokens"), int) and m["tokens"] <= at_tokens]
-            rec["val_loss"] = evals[-1]["val_loss"] if evals else None
-            rec["val_tokens"] = evals[-1]["tokens"] if evals else None
-            if not evals:
-                notes.append(f"{u}: no evaluation at or before {at_tokens:,} tokens")
+                     **_evaluation(run, meta, at_tokens), "val_floor": meta.get("val_floor"),
+                     "tokens": meta.get("tokens")}
+        if at_tokens is not None and rec["val_tokens"] is None:
+            notes.append(f"{u}: no evaluation at or before {at_tokens:,} tokens")
         if "flops_per_token" in item:
             comp = {k: item[k] for k in ("params", "non_embedding", "flops_per_token")}
         else:
@@ -326,11 +366,14 @@ def collect(paths: list[str | Path], target: str | None = None,
                    flops_per_token=comp["flops_per_token"],
                    total_flops=comp["flops_per_token"] * rec["tokens"] if rec["tokens"] else None)
         reports: dict = {}
-        for name, fields_of in (("sharpness", sharpness_fields), ("collapse", collapse_fields)):
-            rp = run.reports / f"{name}.json"
-            reports[name] = str(rp) if rp.exists() else None
-            if rp.exists():
-                rec.update(fields_of(read_json(rp, f"{name} report")))
+        rec["settings"], rec["other_reports"] = {}, {}
+        for kind, fields_of in (("sharpness", sharpness_fields), ("collapse", collapse_fields)):
+            rp, rep, options, others = _named(u, kind, names[kind])
+            reports[kind] = str(rp) if rp else None
+            rec["other_reports"][kind] = others
+            if rep is not None:
+                rec.update(fields_of(rep))
+                rec["settings"][kind] = options
         f = fts[u].get(target) if target else None
         reports["forgetting"] = str(f[0]) if f else None
         if f:
@@ -344,7 +387,29 @@ def collect(paths: list[str | Path], target: str | None = None,
     if not records:
         raise CemtoolError("no completed runs to compare", hint="; ".join(notes)[:300] or None)
     _label(records, configs)
+    no_bpb = [Path(r["run"]).name for r in records if r["val_loss"] is not None and r["val_bpb"] is None]
+    if no_bpb:
+        notes.append(f"bits per byte unknown for {len(no_bpb)} run(s) ({', '.join(no_bpb[:6])}"
+                     f"{' ...' if len(no_bpb) > 6 else ''}): trained before cemtool recorded bytes per token")
+    for kind in NAMED:
+        others = sorted({n for r in records for n in r["other_reports"][kind]})
+        if others:
+            notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'; choose "
+                         f"another with --{kind} NAME)")
     return records, notes
+
+
+def settings_mismatch(records: list[dict]) -> dict[str, dict]:
+    """Per analysis, the settings its compared reports differ in: kind -> {setting: {value: [run, ...]}}."""
+    from cemtool.report import mismatched_settings
+
+    out = {}
+    for kind in NAMED:
+        opts = {Path(r["run"]).name: r["settings"][kind] for r in records if kind in r["settings"]}
+        diff = mismatched_settings(opts)
+        if diff:
+            out[kind] = diff
+    return out
 
 
 def _label(records: list[dict], settings: dict[str, dict]) -> None:
@@ -359,29 +424,40 @@ def _label(records: list[dict], settings: dict[str, dict]) -> None:
 
 
 def compare(paths: list[str | Path], target: str | None = None, level: float = 0.95,
-            at_tokens: int | None = None) -> dict:
+            at_tokens: int | None = None, names: dict[str, str] | None = None, strict: bool = False) -> dict:
     """The comparison payload (schema in the module docstring). Raises CemtoolError if no run has any analysis
-    report. ``at_tokens``: compare validation losses at that point of training (see :func:`collect`)."""
+    report. ``at_tokens``: compare validation losses at that point of training (see :func:`collect`); ``names``:
+    which named sharpness / collapse reports to read. Reports measured with different settings are flagged
+    (``mismatch`` and a note), or refused with ``strict``."""
     if not 0 < level < 1:
         raise CemtoolError(f"the confidence level must be in (0, 1), got {level}")
     if at_tokens is not None and at_tokens < 1:
         raise CemtoolError(f"--at-tokens must be a positive number of tokens, got {at_tokens}")
-    records, notes = collect(paths, target, at_tokens)
+    for kind, name in (names or {}).items():
+        if kind not in NAMED:
+            raise CemtoolError(f"reports of {kind!r} are not chosen by name", hint=f"choose from {', '.join(NAMED)}")
+        safe_name(name, f"--{kind}")
+    records, notes = collect(paths, target, at_tokens, names)
+    chosen = {**{k: k for k in NAMED}, **(names or {})}
 
     missing = {name: [r["run"] for r in records if r["reports"][name] is None] for name in REPORTS}
     if all(len(missing[name]) == len(records) for name in REPORTS):
         raise CemtoolError(f"no analysis reports found for the {len(records)} run(s): looked for "
-                           f"reports/sharpness.json, reports/collapse.json and fine-tunes with reports/forgetting.json",
+                           f"reports/{chosen['sharpness']}.json, reports/{chosen['collapse']}.json and fine-tunes "
+                           f"with reports/forgetting.json",
                            hint="run cemtool sharpness / collapse-report / forgetting on them, or cemtool sweep "
                                 "--analyses sharpness,collapse,forgetting")
+    mismatch = settings_mismatch(records)
+    for kind, diff in mismatch.items():
+        text = f"the {kind} reports were measured with different settings: {mismatch_text(diff)}"
+        if strict:
+            raise CemtoolError(text, hint=f"measure them alike (cemtool {kind} --name ... keeps both), or compare "
+                                          f"without --strict to see them flagged")
+        notes.append(f"{text}; their numbers are not comparable as they stand")
     loose = [Path(r["run"]).name for r in records if r.get("lambda_converged") is False]
     if loose:
         notes.append(f"λ_max or λ_min did not converge (Lanczos) for {len(loose)} run(s): {', '.join(loose)}; "
                      f"raise the sharpness --lanczos-steps")
-    tokens = sorted({r["sharpness_tokens"] for r in records if r.get("sharpness_tokens")})
-    if len(tokens) > 1:
-        notes.append(f"sharpness was measured on different token counts ({', '.join(map(str, tokens))}); λ_max "
-                     f"depends on it")
     labels = list(dict.fromkeys(r["label"] for r in records))
     archs = []
     for label in labels:
@@ -407,8 +483,9 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
             "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
             "at_tokens": at_tokens,
-            "metrics": METRICS, "runs": records, "archs": archs, "correlations": correlations,
-            "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "notes": notes}
+            "metrics": METRICS, "reports": chosen, "runs": records, "archs": archs, "correlations": correlations,
+            "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "mismatch": mismatch,
+            "notes": notes}
 
 
 def _pairs(labels: list[str], values_of, level: float) -> list[dict]:
@@ -480,7 +557,8 @@ def flat_arch_rows(payload: dict) -> list[dict]:
 
 
 def run_rows(payload: dict) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("reports", "layers")} for r in payload["runs"]]
+    return [{k: v for k, v in r.items() if k not in ("reports", "layers", "settings", "other_reports")}
+            for r in payload["runs"]]
 
 
 def layer_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[list[str]]]:

@@ -9,8 +9,9 @@ Two kinds of evidence, and advice drawn from them:
    sizes d_h at a fixed budget H d_h, per sequence length T; the marginal gain per doubling of d_h and the head
    size from which no larger one gains more than a threshold per doubling (the saturation point). The training
    itself is done by the caller (``cemtool saturation sweep`` uses ``cemtool.train``): analysis never trains.
-3. **Advice** (:func:`allocation_advice`): a per-layer (heads, head_dims) schedule at the same budget, as a config
-   fragment ``cemtool train --config`` accepts.
+3. **Advice** (:func:`allocation_advice`): a per-layer (heads, head_dims) schedule at the same budget, written as
+   the run's own config with only that allocation changed (:func:`advice_toml`), which ``cemtool train --config``
+   accepts.
 
 The truncation [decision, documented in docs/saturation.md]
 ----------------------------------------------------------
@@ -39,6 +40,7 @@ is applied; the computed ``P`` is then the identity up to rounding.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -386,15 +388,48 @@ def allocation_advice(shapes: list[tuple[int, int]], tolerated: dict[int, int], 
             "rule": "head size = smallest tolerated rank; freed budget -> extra heads for the most sensitive layers"}
 
 
-def advice_toml(advice: dict, n_layer: int, source: str) -> str:
-    """The advice as a TOML config fragment for ``cemtool train --config``."""
-    return (f"# allocation advice from `cemtool saturation` on {source}\n"
-            f"# attention budget sum_m H_m d_m: {advice['budget']} -> {advice['new_budget']}\n"
-            f"# rule: {advice['rule']}\n"
-            "[model]\n"
-            f"n_layer = {n_layer}\n"
-            f"heads = [{', '.join(map(str, advice['heads']))}]\n"
-            f"head_dims = [{', '.join(map(str, advice['head_dims']))}]\n")
+def advised_config(config: dict, advice: dict) -> dict:
+    """The run's own config (config.json as a dict: data, seq_len, tokenizer, training, seed, ...) with only the
+    allocation changed: ``model.heads`` and ``model.head_dims`` from the advice."""
+    out = json.loads(json.dumps(config))  # a deep copy
+    out["model"]["heads"] = list(advice["heads"])
+    out["model"]["head_dims"] = list(advice["head_dims"])
+    return out
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string (\uXXXX escapes) is a TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"{type(v).__name__} has no TOML form")
+
+
+def toml_text(data: dict, prefix: str = "") -> str:
+    """A nested dict of scalars, lists and dicts as TOML: the scalars of a table, then its sub-tables."""
+    lines = [f"[{prefix}]"] if prefix else []
+    lines += [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict)]
+    for k, v in data.items():
+        if isinstance(v, dict):
+            lines += ["", toml_text(v, f"{prefix}.{k}" if prefix else k).rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def advice_toml(advice: dict, config: dict, source: str) -> str:
+    """The advised config as TOML for ``cemtool train --config``: the run's whole config (``config``, its
+    config.json) with only the allocation changed (:func:`advised_config`)."""
+    head = (f"# allocation advice from `cemtool saturation` on {source}: the run's own config (data, sequence "
+            f"length, tokenizer, training, seed)\n"
+            f"# with only model.heads and model.head_dims changed; attention budget sum_m H_m d_m: "
+            f"{advice['budget']} -> {advice['new_budget']}\n"
+            f"# rule: {advice['rule']}\n")
+    return head + toml_text(advised_config(config, advice))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -464,7 +499,7 @@ def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
     return out
 
 
-__all__ = ["SweepPoint", "advice_toml", "allocation_advice", "attention_layers", "data_factors", "default_ranks",
-           "effective_form", "head_projection", "logit_spread", "mean_loss", "rank_truncation", "rope_planes",
-           "rope_projection", "summarise_sweep", "svd_projection", "sweep_grid", "truncated", "truncation_rows",
-           "weight_factors"]
+__all__ = ["SweepPoint", "advice_toml", "advised_config", "allocation_advice", "attention_layers", "data_factors",
+           "default_ranks", "effective_form", "head_projection", "logit_spread", "mean_loss", "rank_truncation",
+           "rope_planes", "rope_projection", "summarise_sweep", "svd_projection", "sweep_grid", "toml_text",
+           "truncated", "truncation_rows", "weight_factors"]

@@ -18,6 +18,16 @@ def _num(v) -> str:
     return fmt_num(v)
 
 
+def print_notes(payload: dict) -> None:
+    """What is missing, and what was flagged (settings that differ, reports not compared)."""
+    for name, runs in payload["missing"].items():
+        if runs:
+            shown = ", ".join(Path(r).name for r in runs[:6]) + (" ..." if len(runs) > 6 else "")
+            console.result(f"missing {name} report: {len(runs)} of {len(payload['runs'])} runs ({shown})")
+    for n in payload["notes"]:
+        console.result(f"note: {n}")
+
+
 def print_compare(payload: dict) -> None:
     from cemtool.analysis.compare import METRICS, arch_table, layer_table, val_loss_note
 
@@ -40,12 +50,7 @@ def print_compare(payload: dict) -> None:
                   f"{p['n_a']}/{p['n_b']}", p["note"] or ""] for p in payload["pairwise"]]
         console.table(f"pairwise differences (Welch t {level} intervals over seeds)",
                       ["metric", "a - b", "diff", f"{level} CI", "p", "n", "note"], pairs)
-    for name, runs in payload["missing"].items():
-        if runs:
-            shown = ", ".join(Path(r).name for r in runs[:6]) + (" ..." if len(runs) > 6 else "")
-            console.result(f"missing {name} report: {len(runs)} of {len(payload['runs'])} runs ({shown})")
-    for n in payload["notes"]:
-        console.result(f"note: {n}")
+    print_notes(payload)
 
 
 @app.command()
@@ -62,22 +67,35 @@ def compare(
     at_tokens: Annotated[Optional[int], typer.Option("--at-tokens", help="compare validation losses at this point "
                                                      "of training (each run's last evaluation at or before this "
                                                      "many tokens) instead of at the end")] = None,
+    sharpness: Annotated[str, typer.Option("--sharpness", help="the sharpness report to read: "
+                                           "reports/<NAME>.json (as written by sharpness --name)")] = "sharpness",
+    collapse: Annotated[str, typer.Option("--collapse", help="the collapse report to read: reports/<NAME>.json (as "
+                                          "written by collapse-report --name)")] = "collapse",
+    strict: Annotated[bool, typer.Option("--strict", help="refuse reports measured with different settings "
+                                                          "(default: compare them and flag the difference)")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no tables: print only the notes and the files "
+                                                              "written")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
 ) -> None:
-    """Compare architectures from their reports alone (no checkpoints): val loss, parameters, FLOPs/token,
-    λ_max, λ_min, tr(H)/n, forgetting, plasticity, value entropy and separability of the last layer and of
-    every layer (mean ± std over seeds); Spearman correlations of sharpness with forgetting; pairwise differences
-    with Welch intervals."""
+    """Compare architectures from their reports alone (no checkpoints): val loss (nats/token, bits/byte,
+    perplexity), parameters, FLOPs/token, λ_max, λ_min, tr(H)/n, forgetting, plasticity, value entropy and
+    separability of the last layer and of every layer (mean ± std over seeds); Spearman correlations of sharpness
+    with forgetting; pairwise differences with Welch intervals. Reports measured with different settings are
+    flagged (--strict: refused)."""
     from cemtool.analysis.compare import compare as compare_runs
     from cemtool.analysis.compare import write_compare
 
-    payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens)
+    payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens,
+                           names={"sharpness": sharpness, "collapse": collapse}, strict=strict)
     if out is None:
         out = paths[0] if len(paths) == 1 and (paths[0] / "study.json").is_file() else Path("compare")
     written = write_compare(payload, out)
     if json_:
         console.print_json(payload)
         return
-    print_compare(payload)
+    if quiet:
+        print_notes(payload)
+    else:
+        print_compare(payload)
     layers = f", {written['layers_csv']}" if "layers_csv" in written else ""
     console.result(f"wrote {written['csv']}, {written['runs_csv']}{layers}, {written['md']} and {written['json']}")

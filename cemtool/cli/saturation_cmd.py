@@ -71,7 +71,9 @@ def analyze(
     per_head: Annotated[bool, typer.Option("--per-head/--layers-only", help="also truncate one head at a time")]
     = True,
     batch_size: Annotated[int, typer.Option(help="windows per forward pass")] = 32,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    name: Annotated[str, typer.Option(help="report name: reports/<name>.json and reports/<name>_advice.toml; "
+                                      "analyses under other settings keep their own names")] = "saturation",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "auto",
     no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figures")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the per-layer result as JSON")] = False,
@@ -80,14 +82,15 @@ def analyze(
     which layers tolerate low rank, and a per-layer (heads, head_dims) schedule at the same budget."""
     import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
     from cemtool.analysis.saturation import advice_toml, allocation_advice, rank_truncation, truncation_rows
-    from cemtool.config import replace
+    from cemtool.config import replace, to_dict
     from cemtool.data.corpus import load_corpus, windows
     from cemtool.models.allocation import layer_shapes
     from cemtool.models.registry import build_model
     from cemtool.report import provenance, write_report
-    from cemtool.runs import atomic_write_text, load_run
+    from cemtool.runs import atomic_write_text, load_run, safe_name
     from cemtool.train import pick_device
 
+    safe_name(name, "--name")
     if basis not in ("auto", "weights", "data"):
         raise typer.BadParameter(f"{basis!r}: choose auto, weights or data", param_hint="--basis")
     if not tolerance >= 0:
@@ -122,19 +125,20 @@ def analyze(
         advice = {"applicable": False, "why": f"not applicable: {e.message}", **advice}
     reports = loaded.run.reports
     payload = {"provenance": provenance(loaded.run.path, checkpoint=str(loaded.checkpoint), step=loaded.step,
-                                        command="saturation", options={"tokens": tokens, "ranks": rank_list,
-                                                                       "basis": basis, "tolerance": tolerance}),
+                                        command="saturation", name=name,
+                                        options={"checkpoint": checkpoint, "tokens": tokens, "ranks": rank_list,
+                                                 "basis": basis, "tolerance": tolerance, "per_head": per_head}),
                "arch": cfg.model.arch, "saturation": result, "advice": advice}
-    paths = write_report(reports, "saturation", payload, truncation_rows(result, loaded.run.path.name))
+    paths = write_report(reports, name, payload, truncation_rows(result, loaded.run.path.name))
     advice_path = None
     if advice["applicable"]:
-        advice_path = reports / "saturation_advice.toml"
-        atomic_write_text(advice_path, advice_toml(advice, cfg.model.n_layer, str(loaded.run.path)))
+        advice_path = reports / f"{name}_advice.toml"
+        atomic_write_text(advice_path, advice_toml(advice, to_dict(cfg), str(loaded.run.path)))
     if not no_plots:
         from cemtool.plots.saturation import plot_logits, plot_truncation
 
-        plot_truncation(payload, loaded.run.plots)
-        plot_logits(payload, loaded.run.plots)
+        plot_truncation(payload, loaded.run.plots, name)
+        plot_logits(payload, loaded.run.plots, name)
     if json_:
         console.print_json({"base_loss": result["base_loss"], "layers": [
             {k: e[k] for k in ("layer", "heads", "head_dim", "truncation", "basis", "ranks", "layer_loss_increase",
@@ -155,8 +159,8 @@ def analyze(
         console.result(f"layer {k}: {why}" if k.isdigit() else why)
     if advice["applicable"]:
         console.result(f"advice (budget {advice['budget']} -> {advice['new_budget']}): heads {advice['heads']}, "
-                       f"head_dims {advice['head_dims']}  ->  {advice_path}  (cemtool train --config "
-                       f"{advice_path})")
+                       f"head_dims {advice['head_dims']}  ->  {advice_path}: this run's config with only the "
+                       f"allocation changed (cemtool train --config {advice_path})")
     else:
         console.result(f"advice: {advice['why']}")
     console.result(f"wrote {paths['json']} (+ .csv)")
@@ -205,7 +209,7 @@ def sweep(
                                                       "model, e.g. model.pos=learned")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="sweep folder; default "
                                                 "runs/saturation-sweep-<time>")] = None,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "cpu",
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N, mps")] = "auto",
     no_plots: Annotated[bool, typer.Option("--no-plots", help="skip the figure")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the summary as JSON")] = False,
