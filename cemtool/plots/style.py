@@ -45,17 +45,19 @@ def new_figure(width: float = 6.4, height: float = 4.2, ncols: int = 1, nrows: i
 
 
 def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] = ("png", "svg")) -> list[Path]:
-    """Save ``plots/<name>.png`` and ``.svg`` atomically; close the figure."""
-    import os
+    """Save ``plots/<name>.png`` and ``.svg`` atomically (runs.atomic_write_bytes: no links followed inside a run);
+    close the figure."""
+    import io
+
+    from cemtool.runs import atomic_write_bytes
 
     d = Path(plots_dir)
-    d.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext in formats:
         p = d / f"{name}.{ext}"
-        tmp = d / f".{name}.tmp{os.getpid()}.{ext}"
-        fig.savefig(tmp, dpi=130)
-        os.replace(tmp, p)
+        buf = io.BytesIO()
+        fig.savefig(buf, format=ext, dpi=130)
+        atomic_write_bytes(p, buf.getvalue())
         paths.append(p)
     plt.close(fig)
     return paths
