@@ -1,0 +1,188 @@
+"""Export a cemtool run as a standard Hugging Face directory: ``LlamaForCausalLM``, loaded without custom code.
+
+The baseline block (METHODS §1) with RoPE, RMSNorm and SwiGLU is Llama's decoder layer, name for name::
+
+    tok_emb                        -> model.embed_tokens
+    blocks.N.ln1 / ln2             -> model.layers.N.input_layernorm / post_attention_layernorm
+    blocks.N.attn.wq, wk, wv, wo   -> model.layers.N.self_attn.q_proj, k_proj, v_proj, o_proj
+    blocks.N.mlp.gate, up, down    -> model.layers.N.mlp.gate_proj, up_proj, down_proj
+    ln_f                           -> model.norm
+    head                           -> lm_head (omitted when tied: tie_word_embeddings)
+
+No weight is permuted: cemtool's RoPE rotates the planes (i, i + d_h/2) of each head, which is Llama's
+``rotate_half`` convention, with the same frequencies base^(-2i/d_h). Both scale scores by 1/sqrt(d_h), apply
+x * rsqrt(mean(x²) + eps) * weight with the same eps, compute down(silu(gate x) * up x), and have no biases.
+The uniform allocation of heads is one ``num_attention_heads`` and one ``head_dim`` (set explicitly, so
+head_dim * heads may differ from the width, though transformers requires the heads to divide the width);
+per-layer head counts or sizes (``early-heavy``, ``late-lowrank``, explicit lists) cannot be said in a LlamaConfig
+and are refused, as are LayerNorm, learned positions, GELU and every other family, by one line naming them.
+
+The directory holds config.json, model.safetensors (fp32, metadata naming the run and step) and, from the run's
+tokenizer, tokenizer.json and tokenizer_config.json (``PreTrainedTokenizerFast``). Before it returns, the export
+loads the directory with ``LlamaForCausalLM.from_pretrained`` and compares its logits with the run's on random
+sequences (fp32: max |difference| <= 1e-5 max(1, max |logit|), float rounding of an exact mapping); on a mismatch
+it removes what it wrote and fails.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from cemtool.errors import CemtoolError
+from cemtool.runs import atomic_write_bytes, atomic_write_json, is_run, load_run
+
+TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32
+WRITES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# what Llama can express
+
+
+def llama_refusals(model) -> list[str]:
+    """Why this cemtool model is not a LlamaForCausalLM (empty: it is one)."""
+    from cemtool.models.allocation import layer_shapes
+    from cemtool.models.baseline import Block
+    from cemtool.models.lm import LM
+
+    cfg = model.cfg
+    if type(model) is not LM or not all(type(b) is Block for b in model.blocks):
+        from cemtool.models.registry import get_arch
+
+        return [f"architecture {cfg.arch} (family {get_arch(cfg.arch).family}) has no standard transformers "
+                f"equivalent; only the baseline block is exported"]
+    why = [f"model.{name}={value}" for name, value, ok in (("norm", cfg.norm, "rmsnorm"), ("pos", cfg.pos, "rope"),
+                                                            ("mlp", cfg.mlp, "swiglu")) if value != ok]
+    shapes = layer_shapes(cfg)
+    if len(set(shapes)) > 1:
+        why.append(f"per-layer (heads, head_dim) {shapes} (alloc_strategy={cfg.alloc_strategy}"
+                   f"{', explicit model.heads/head_dims' if cfg.heads or cfg.head_dims else ''}): a LlamaConfig "
+                   f"has one num_attention_heads and one head_dim")
+    elif cfg.d_model % shapes[0][0]:
+        why.append(f"{shapes[0][0]} heads do not divide model.d_model={cfg.d_model} (LlamaConfig requires it, even "
+                   f"with its own head_dim)")
+    return why
+
+
+def llama_config(model) -> dict:
+    """config.json of the equivalent LlamaForCausalLM (read by transformers 4.45 and later, including 5.x)."""
+    cfg = model.cfg
+    attn = model.blocks[0].attn
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": model.blocks[0].mlp.up.out_features,
+            "num_hidden_layers": cfg.n_layer, "num_attention_heads": attn.n_head,
+            "num_key_value_heads": attn.n_head, "head_dim": attn.head_dim, "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_base,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base}, "rope_scaling": None,
+            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "pretraining_tp": 1,
+            "tie_word_embeddings": bool(cfg.tie_embeddings), "use_cache": True, "bos_token_id": None,
+            "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
+
+
+def llama_state_dict(model) -> dict[str, torch.Tensor]:
+    """Llama's tensor names for every cemtool parameter (fp32, contiguous, sharing no memory)."""
+    names = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
+    if not model.cfg.tie_embeddings:
+        names["head.weight"] = "lm_head.weight"
+    parts = {"ln1": "input_layernorm", "ln2": "post_attention_layernorm", "attn.wq": "self_attn.q_proj",
+             "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj", "attn.wo": "self_attn.o_proj",
+             "mlp.gate": "mlp.gate_proj", "mlp.up": "mlp.up_proj", "mlp.down": "mlp.down_proj"}
+    for i in range(len(model.blocks)):
+        for ours, theirs in parts.items():
+            names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
+    params = dict(model.named_parameters())  # shared tensors once: a tied head is tok_emb
+    unmapped = sorted(set(params) - set(names))
+    if unmapped:  # a parameter Llama has no place for: refuse rather than drop it
+        raise CemtoolError(f"cannot export parameters {', '.join(unmapped)}: LlamaForCausalLM has no place for them")
+    return {theirs: params[ours].detach().to("cpu", torch.float32).contiguous().clone()
+            for ours, theirs in names.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# writing and checking
+
+
+def _check_target(out: Path, run_path: Path, force: bool) -> None:
+    from cemtool.foreign.loader import is_hf_dir
+
+    if out.exists() and not out.is_dir():
+        raise CemtoolError(f"export target {out} exists and is not a directory")
+    if out.resolve() == run_path.resolve() or (is_run(out) and not is_hf_dir(out)):
+        raise CemtoolError(f"export target {out} is a cemtool run", hint="choose another directory")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not force:
+        raise CemtoolError(f"export target {out} is not empty", hint="choose an empty or new directory, or --force "
+                                                                     "to write into it")
+    stale = [n for n in present if n not in WRITES and n.endswith(WEIGHT_SUFFIXES)]
+    if stale:
+        raise CemtoolError(f"export target {out} holds other weight files ({', '.join(stale)}) that transformers "
+                           f"might load instead", hint="remove them or choose another directory")
+
+
+def _write_tokenizer(loaded, out: Path) -> list[str]:
+    inner = json.loads(loaded.tokenizer.to_json())["tokenizer"]  # the plain Hugging Face tokenizer.json
+    atomic_write_bytes(out / "tokenizer.json", json.dumps(inner, ensure_ascii=False).encode("utf-8"))
+    atomic_write_json(out / "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast",
+                                                      "model_max_length": loaded.config.model.max_seq_len,
+                                                      "clean_up_tokenization_spaces": False})
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+@torch.no_grad()
+def logits_difference(model, out: Path, sequences: int = 2, seed: int = 0) -> tuple[float, float]:
+    """(max |logits of the exported directory (LlamaForCausalLM.from_pretrained, fp32) - the run's|, max |logit|)
+    on random sequences of max_seq_len tokens."""
+    from cemtool.foreign.loader import _transformers
+
+    hf = _transformers().LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
+                                                          use_safetensors=True).eval()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, model.cfg.vocab_size, (sequences, model.cfg.max_seq_len), generator=g)  # (n, T)
+    ours = model.float()(idx)  # (n, T, V)
+    theirs = hf(input_ids=idx, use_cache=False).logits  # (n, T, V)
+    return float((ours - theirs).abs().max()), float(ours.abs().max())
+
+
+def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force: bool = False) -> dict:
+    """Write the run's model as a LlamaForCausalLM directory ``out``; return what was written and the logits check.
+    Nothing is written outside ``out``; a non-empty ``out`` needs ``force``."""
+    from safetensors.torch import save
+
+    from cemtool.foreign.loader import _transformers
+
+    _transformers()  # the check below needs it: fail before writing anything
+    loaded = load_run(run)
+    model, out = loaded.model, Path(out)
+    why = llama_refusals(model)
+    if why:
+        raise CemtoolError(f"run {loaded.run.path} cannot be exported as LlamaForCausalLM: {'; '.join(why)}")
+    _check_target(out, loaded.run.path, force)
+    tensors = llama_state_dict(model)
+    meta = {"format": "pt", "cemtool_run": str(loaded.run.path.resolve()), "cemtool_arch": model.cfg.arch,
+            "cemtool_checkpoint": loaded.checkpoint.name, "cemtool_step": str(loaded.step)}
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    try:
+        atomic_write_json(out / "config.json", llama_config(model))
+        written.append("config.json")
+        atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=meta))
+        written.append("model.safetensors")
+        written += _write_tokenizer(loaded, out)
+        diff, scale = logits_difference(model, out)
+        if not diff <= TOLERANCE * max(1.0, scale):
+            raise CemtoolError(f"the exported model's logits differ from the run's by {diff:.3g} (max |logit| "
+                               f"{scale:.3g}); nothing was kept in {out}", hint="report it: the mapping is exact")
+    except BaseException:
+        for name in written:
+            (out / name).unlink(missing_ok=True)
+        raise
+    return {"run": str(loaded.run.path), "checkpoint": loaded.checkpoint.name, "step": loaded.step,
+            "arch": model.cfg.arch, "format": "hf", "architecture": "LlamaForCausalLM", "out": str(out),
+            "files": written, "parameters": sum(t.numel() for t in tensors.values()),
+            "tie_word_embeddings": bool(model.cfg.tie_embeddings), "logits_max_abs_diff": diff,
+            "logits_max_abs": scale, "transformers": _transformers().__version__}
