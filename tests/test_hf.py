@@ -1,0 +1,344 @@
+"""Models cemtool did not train (cemtool.foreign): tiny random-weight transformers models of every supported family,
+built here from transformers configs (no download) and saved with save_pretrained, analysed by every command."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from cemtool.cli.main import app  # noqa: E402
+from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer  # noqa: E402
+from cemtool.models.capture import capture  # noqa: E402
+from cemtool.runs import load_run  # noqa: E402
+
+FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
+WORDS = [f"w{i}" for i in range(8)]
+
+
+def tiny_config(family: str, vocab: int = 256, d: int = 16, layers: int = 2):
+    ids = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=2, n_positions=64, **ids)
+    if family == "gpt_neox":  # partial rotary as in Pythia
+        return transformers.GPTNeoXConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=2,
+                                          intermediate_size=2 * d, max_position_embeddings=64, rotary_pct=0.5, **ids)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config}[family]
+    kv = {"llama": 2, "mistral": 1, "qwen2": 2}[family]  # GQA and MQA
+    return cls(hidden_size=d, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv,
+               intermediate_size=2 * d, max_position_embeddings=64, **ids)
+
+
+def save_tiny(path, config, tokenizer, seed: int = 0) -> str:
+    """A random-weight causal LM and its tokenizer, written as save_pretrained writes them."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # larger weights than the default init, so that attention is far from uniform
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(path)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory) -> dict[str, str]:
+    """One tiny model directory per family (byte tokenizer, d_model 16, 2 layers); treat as read-only."""
+    root = tmp_path_factory.mktemp("hf")
+    return {f: save_tiny(root / f, tiny_config(f), byte_tokenizer()) for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def word_text(tmp_path_factory) -> str:
+    g = np.random.default_rng(0)
+    p = tmp_path_factory.mktemp("words") / "words.txt"
+    p.write_text("\n".join(" ".join(g.choice(WORDS, 16)) for _ in range(400)) + "\n", encoding="utf-8")
+    return str(p)
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_error(res, *words: str) -> None:
+    assert res.exit_code != 0
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert lines[0].startswith("Error: ") and all(ln.startswith(("Error: ", "Hint: ")) for ln in lines), res.output
+    assert len(lines) <= 2 and all(w.lower() in res.output.lower() for w in words), res.output
+
+
+# --------------------------------------------------------------------------------------------------------------
+# every analysis on every family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_analysis_runs_on_every_family(hf_models, text_file, family):
+    d = hf_models[family]
+    res = invoke("sharpness", d, "--data", text_file, "--tokens", 128, "--top-k", 1, "--bottom-k", 0,
+                 "--lanczos-steps", 4, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
+                 "--avg-rho", 0, "--landscape", "none", "--params", "layer:1,embed", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    res = invoke("collapse-report", d, "--data", text_file, "--tokens", 256, "--folds", 2, "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    res = invoke("saturation", d, "--data", text_file, "--tokens", 128, "--ranks", "0,2", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    reports = {n: json.loads((Path(d) / "reports" / f"{n}.json").read_text())
+               for n in ("sharpness-layer-1-embed", "collapse", "saturation")}
+    for rep in reports.values():
+        src = rep["provenance"]["model_source"]
+        assert src["logits_check"]["passed"] and src["logits_check"]["max_abs_diff"] <= 1e-5
+        assert src["attn_implementation"] == "eager" and src["weights"] == ["model.safetensors"]
+    sat = reports["saturation"]["saturation"]
+    assert [e["layer"] for e in sat["layers"]] == [0, 1] and all(e["rope"] == (family != "gpt2") for e in sat["layers"])
+    layers = reports["collapse"]["runs"][0]["collapse"]["layers"]
+    kv = {"gpt2": 2, "gpt_neox": 2, "llama": 2, "mistral": 1, "qwen2": 2}[family]
+    assert all(e["values"]["heads"] == kv for e in layers)  # values per key-value head
+    assert all(len(e["attention"]["per_head"]) == (2 if family in ("gpt2", "gpt_neox") else 4) for e in layers)
+
+
+def test_parameter_subsets_by_cemtool_and_by_the_models_own_names(hf_models):
+    from cemtool.analysis.hessian import select_parameters
+
+    model = load_run(hf_models["llama"]).model
+    names = lambda spec: [n for n, _ in select_parameters(model, spec)]  # noqa: E731
+    assert names("layer:1") and all(n.startswith("blocks.1.layer.") for n in names("layer:1"))
+    attn = set(names("attn"))  # cemtool's word rule: self_attn.* and post_attention_layernorm (the word attention)
+    assert {n for n, _ in model.named_parameters() if ".self_attn." in n} <= attn
+    assert not any(".mlp." in n for n in attn)
+    assert set(names("mlp")) == {n for n, _ in model.named_parameters() if ".mlp." in n}
+    assert names("embed") == ["tok_emb.weight", "head.weight"]  # embed_tokens and lm_head (untied)
+    assert names("*.q_proj.weight") == ["blocks.0.layer.self_attn.q_proj.weight",
+                                        "blocks.1.layer.self_attn.q_proj.weight"]
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in model.hf.parameters())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# against ground truth
+
+
+def dense_hessian(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Exact Hessian of the mean token loss over all parameters (float64), by autograd on a float64 copy."""
+    from torch.func import functional_call
+
+    from cemtool.models.lm import lm_loss
+
+    work = __import__("copy").deepcopy(model).double().eval()
+    named = dict(work.named_parameters())
+    sizes = [p.numel() for p in named.values()]
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        ps = {n: t.view(p.shape) for (n, p), t in zip(named.items(), torch.split(w, sizes), strict=True)}
+        return lm_loss(functional_call(work, ps, (x,)), y)
+
+    w0 = torch.cat([p.detach().reshape(-1) for p in named.values()])
+    H = torch.autograd.functional.hessian(f, w0, vectorize=True)
+    return (H + H.T) / 2
+
+
+def test_sharpness_of_a_tiny_llama_matches_its_dense_hessian(tmp_path, word_text):
+    from cemtool.analysis.hessian import evaluation_set
+
+    cfg = transformers.LlamaConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   intermediate_size=4, max_position_embeddings=64, vocab_size=len(WORDS),
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
+    d = save_tiny(tmp_path / "llama", cfg, word_tokenizer(WORDS))
+    loaded = load_run(d, data=word_text)
+    n = sum(p.numel() for p in loaded.model.parameters())
+    assert n <= 3000
+    x, y = evaluation_set(loaded, 128)
+    ev = torch.linalg.eigvalsh(dense_hessian(loaded.model, x, y)).numpy()
+    res = invoke("sharpness", d, "--data", word_text, "--tokens", 128, "--dtype", "fp64", "--top-k", 3,
+                 "--bottom-k", 1, "--lanczos-steps", n, "--tol", 1e-10, "--trace-method", "hutch++",
+                 "--trace-hvps", 3 * n, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0, "--avg-rho", 0,
+                 "--landscape", "none", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "llama" / "reports" / "sharpness.json").read_text())
+    assert rep["tokens"] == y.numel()
+    np.testing.assert_allclose(rep["eigen"]["top"], ev[::-1][:3], rtol=1e-5)
+    np.testing.assert_allclose(rep["eigen"]["bottom"], ev[:1], rtol=1e-5)
+    np.testing.assert_allclose(rep["traces"][0]["trace"], ev.sum(), rtol=1e-5)  # sketch of rank n: exact
+
+
+def test_collapse_of_a_tiny_llama_equals_values_taken_from_v_proj(hf_models):
+    """Value entropy, effective rank and cosine per layer from the adapter equal those computed by hand from what
+    transformers' own v_proj modules output (forward hooks on them, no cemtool hook point involved)."""
+    from cemtool.analysis.collapse import collapse_report
+
+    model = load_run(hf_models["llama"]).model
+    x = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(1))
+    rep = collapse_report(model, x, alpha=0.5, batch_size=4)
+    seen: dict[int, list] = {0: [], 1: []}
+    handles = [layer.self_attn.v_proj.register_forward_hook(lambda m, i, o, k=k: seen[k].append(o.detach()))
+               for k, layer in enumerate(model.hf.model.layers)]
+    with torch.no_grad():
+        model.hf(input_ids=x)
+    for h in handles:
+        h.remove()
+
+    def renyi(eigs: np.ndarray, alpha: float = 0.5) -> float:
+        eigs = np.clip(eigs, 0, None)
+        eigs = np.where(eigs > len(eigs) * np.finfo(float).eps * eigs.max(), eigs, 0.0)
+        p = eigs / eigs.sum()
+        return float(np.log((p[p > 0] ** alpha).sum()) / (1 - alpha))
+
+    for i, e in enumerate(rep["layers"]):
+        V = seen[i][0].double().numpy()  # (n, T, kv_heads * d_h)
+        flat = V.reshape(-1, V.shape[-1])
+        Z = (V - flat.mean(0)) / flat.std(0)  # z-scored over every token
+        ent = [renyi(np.linalg.eigvalsh(z @ z.T)) for z in Z]
+        s = np.sqrt(np.clip(np.linalg.eigvalsh(flat.T @ flat), 0, None))
+        p = s / s.sum()
+        erank = float(np.exp(-(p[p > 0] * np.log(p[p > 0])).sum()))
+        U = V / np.linalg.norm(V, axis=-1, keepdims=True)
+        cos = [(u @ u.T)[~np.eye(len(u), dtype=bool)].mean() for u in U]
+        head0 = [renyi(np.linalg.eigvalsh(z[:, :4] @ z[:, :4].T)) for z in Z]
+        got = e["values"]
+        assert got["dim"] == V.shape[-1] == 8 and got["heads"] == 2
+        assert got["entropy"]["mean"] == pytest.approx(np.mean(ent), rel=1e-6)
+        assert got["erank_all"] == pytest.approx(erank, rel=1e-6)
+        assert got["cosine"]["mean"] == pytest.approx(np.mean(cos), rel=1e-6)
+        assert got["entropy_per_head"][0]["mean"] == pytest.approx(np.mean(head0), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_query_and_key_weights_reproduce_the_hook_points(hf_models, family):
+    """What rank truncation reads (attn.wq/wk .weight, bias as the last column, key-value heads repeated per query
+    head) maps the attention's input to exactly the q and k at the hook points."""
+    model = load_run(hf_models[family]).model
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    inputs = []
+    attn_mod = {"gpt2": lambda b: b.layer.attn, "gpt_neox": lambda b: b.layer.attention}.get(
+        family, lambda b: b.layer.self_attn)(model.blocks[1])
+    h = attn_mod.register_forward_pre_hook(lambda m, a, k: inputs.append(a[0] if a else k["hidden_states"]),
+                                           with_kwargs=True)
+    with torch.no_grad(), capture(model, ["blocks.1.attn.q", "blocks.1.attn.k"]) as cache:
+        model(x)
+    h.remove()
+    attn = model.blocks[1].attn
+    u = inputs[0]  # (B, T, d)
+    u1 = torch.cat([u, torch.ones_like(u[..., :1])], -1)  # (B, T, d+1)
+    for name, w, heads in (("q", attn.wq.weight, attn.n_head), ("k", attn.wk.weight, attn.n_head)):
+        ext = u1 if w.shape[1] == u.shape[-1] + 1 else u
+        got = (ext @ w.detach().T).view(2, 12, heads, -1).transpose(1, 2)  # (B, H, T, d_h)
+        want = cache[f"blocks.1.attn.{name}"]
+        if name == "k":
+            want = want.repeat_interleave(attn.n_head // want.shape[1], dim=1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_truncation_at_the_hook_point_changes_the_model_and_full_rank_does_not(hf_models, text_file):
+    from cemtool.analysis.saturation import mean_loss, truncated
+
+    model = load_run(hf_models["gpt_neox"]).model
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    y = torch.roll(x, -1, 1)
+    base = mean_loss(model, x, y)
+    eye = torch.eye(8, dtype=torch.float64).expand(2, 8, 8)
+    with truncated(model, {0: eye}):
+        assert mean_loss(model, x, y) == pytest.approx(base, abs=1e-6)
+    with truncated(model, {0: torch.zeros(2, 8, 8, dtype=torch.float64)}):  # rank 0: uniform attention
+        assert abs(mean_loss(model, x, y) - base) > 1e-4
+    assert mean_loss(model, x, y) == base  # hooks removed
+
+
+def test_rope_order_makes_partial_rotary_planes_p_and_p_plus_half():
+    from cemtool.foreign.adapter import rope_order
+
+    order = rope_order(8, 4).tolist()  # rotary pairs (0, 2), (1, 3); coordinates 4..7 do not rotate
+    assert order == [0, 1, 4, 5, 2, 3, 6, 7]
+    pairs = {(order[p], order[p + 4]) for p in range(4)}
+    assert pairs == {(0, 2), (1, 3), (4, 6), (5, 7)}
+    assert rope_order(8, 8).tolist() == list(range(8)) == rope_order(8, 0).tolist()
+
+
+def test_hf_id_is_read_offline_from_the_huggingface_cache(hf_models, text_file, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-llama" / "snapshots" / ("a" * 40)
+    shutil.copytree(hf_models["llama"], snap, ignore=shutil.ignore_patterns("reports", "plots", "model_source.json"))
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    res = invoke("sharpness", "hf:acme/tiny-llama", "--data", text_file, "--tokens", 64, "--top-k", 1, "--bottom-k",
+                 0, "--lanczos-steps", 3, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
+                 "--avg-rho", 0, "--landscape", "none", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "runs" / "hf" / "acme--tiny-llama" / "reports" / "sharpness.json").read_text())
+    src = rep["provenance"]["model_source"]
+    assert src["repo"] == "acme/tiny-llama" and src["commit"] == "a" * 40 and src["logits_check"]["passed"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# refused, each with one line, nothing written
+
+
+class Planted:
+    """Unpickling this creates a marker file: proof that a pickle was executed."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_pickle_weights_are_refused_and_never_unpickled(tmp_path):
+    d = tmp_path / "pickled"
+    d.mkdir()
+    tiny_config("llama").save_pretrained(d)
+    marker = tmp_path / "EXECUTED"
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps(Planted(str(marker))))
+    before = sorted(p.name for p in d.iterdir())
+    res = invoke("sharpness", d, "--quick", "--no-plots")
+    one_line_error(res, "pickle", "never unpickles")
+    assert not marker.exists()
+    assert sorted(p.name for p in d.iterdir()) == before  # nothing written
+
+
+def test_unknown_model_type_and_an_encoder_are_refused(tmp_path):
+    d = tmp_path / "unknown"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "no-such-model", "architectures": ["NoSuchForCausalLM"]}))
+    (d / "model.safetensors").write_bytes(b"")
+    one_line_error(invoke("collapse-report", d, "--no-plots"), "unknown model type")
+    bert = tmp_path / "bert"
+    cfg = transformers.BertConfig(vocab_size=256, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=16, max_position_embeddings=64)
+    transformers.BertForMaskedLM(cfg).save_pretrained(bert)
+    one_line_error(invoke("sharpness", bert, "--quick", "--no-plots"), "encoder-only", "causal")
+    assert not (bert / "reports").exists() and not (d / "reports").exists()
+
+
+def test_hf_id_offline_without_cache_says_how_to_get_the_files(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    res = invoke("saturation", "hf:acme/not-cached@v1", "--no-plots")
+    one_line_error(res, "not in the Hugging Face cache", "huggingface-cli download acme/not-cached --revision v1")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_without_transformers_the_error_names_the_extra(hf_models, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    one_line_error(invoke("sharpness", hf_models["gpt2"], "--quick"), 'pip install -e ".[hf]"')
