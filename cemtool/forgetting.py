@@ -71,11 +71,10 @@ import torch
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import Corpus, load_corpus
-from cemtool.data.tokenizer import load_tokenizer
 from cemtool.errors import CemtoolError
 from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
-from cemtool.runs import Run, create_run, find_checkpoint, is_run, manifest, open_run, read_checkpoint, read_json
+from cemtool.runs import Run, atomic_write_bytes, create_run, find_checkpoint, is_run, load_run, open_run, read_json
 
 Callback = Callable[[dict], None]
 
@@ -106,8 +105,9 @@ def scaled_recipe(source_steps: int, *, steps: int | None = None, warmup_steps: 
                   eval_every: int | None = None, **fixed) -> Recipe:
     """The reference recipe scaled to a source run of ``source_steps`` optimizer steps (see the module
     docstring); explicit ``steps`` / ``warmup_steps`` / ``eval_every`` and any other Recipe field override it."""
-    if steps is None:
-        steps = min(REFERENCE.steps, max(1, math.ceil(STEP_FRACTION * source_steps)))
+    if steps is None:  # a source of unknown training length (a Hugging Face model): the reference's steps
+        steps = REFERENCE.steps if source_steps is None else \
+            min(REFERENCE.steps, max(1, math.ceil(STEP_FRACTION * source_steps)))
     if steps < 1:
         raise CemtoolError(f"fine-tuning steps must be >= 1, got {steps}")
     if warmup_steps is None:
@@ -269,8 +269,9 @@ def _open_existing(out: Path, source: Run, cfg: RunConfig) -> Run:
 
 
 def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *, checkpoint: str = "final",
-              steps: int | None = None, warmup_steps: int | None = None, eval_every: int | None = None,
-              eval_tokens: int | None = None, recipe: dict | None = None, device: str | torch.device | None = None,
+              data: str | None = None, steps: int | None = None, warmup_steps: int | None = None,
+              eval_every: int | None = None, eval_tokens: int | None = None, recipe: dict | None = None,
+              device: str | torch.device | None = None,
               resume: bool = False, force: bool = False, callback: Callback | None = None,
               argv: list[str] | None = None) -> dict:
     """Fine-tune the run ``source`` on ``target`` data into a new run directory and return the report payload
@@ -278,17 +279,19 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
 
     resume: continue the fine-tune found at ``out`` (its report is returned as is if already written; a missing
     ``out`` starts afresh). force: move an existing ``out`` aside first. ``callback`` receives the training loop's
-    events plus ``{"kind": "source_eval", "step", "source_loss"}``.
+    events plus ``{"kind": "source_eval", "step", "source_loss"}``. ``source``: anything
+    :func:`cemtool.runs.load_run` loads (a run, a Hugging Face model directory or hf: id); ``data``: the source
+    data A (default the run's own; pydoc for a Hugging Face model), read with the source's tokenizer.
     """
     from cemtool.train import pick_device, train
 
-    src = open_run(source)  # read only: locking would write the source's .lock file
-    src_cfg = src.config()
-    tok = load_tokenizer(src.path / "tokenizer.json")
+    loaded = load_run(source, checkpoint, data=data)  # read only: the source run is not locked
+    src, src_cfg, tok = loaded.run, loaded.config, loaded.tokenizer
     check_tokenizer(tok.kind, target)
-    ckpt_path = find_checkpoint(src, checkpoint)
-    ckpt = read_checkpoint(ckpt_path, manifest(src))
-    rec = scaled_recipe(ckpt.step, steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, **(recipe or {}))
+    weights = dict(loaded.model.state_dict())
+    ckpt_path, ckpt_step = loaded.checkpoint, loaded.step
+    del loaded
+    rec = scaled_recipe(ckpt_step, steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, **(recipe or {}))
     cfg = finetune_config(src_cfg, target, rec, eval_tokens)
     out = Path(out) if out is not None else default_out(src.path, target)
     if out.resolve() == src.path.resolve() or src.path.resolve() in out.resolve().parents:
@@ -310,21 +313,24 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
         if run is None:
             run = create_run(out, cfg, force=force, argv=argv if argv is not None else sys.argv, device=str(dev),
                              extra_meta={"parent": str(src.path.resolve()), "kind": "forgetting",
-                                         "source_checkpoint": ckpt_path.name, "source_step": ckpt.step,
+                                         "source_checkpoint": ckpt_path.name, "source_step": ckpt_step,
                                          "corpus": target_corpus.info}, tokenizer=tok)
+            if (src.path / "model_source.json").is_file():  # a model cemtool did not train: the fine-tune keeps
+                atomic_write_bytes(run.path / "model_source.json",  # its description (and rebuilds from it)
+                                   (src.path / "model_source.json").read_bytes())
         ev = _Evaluator(cfg, source_corpus, target_corpus, dev)
         if not any(r.get("step") == 0 and "source_val_loss" in r for r in run.metrics()):
-            row = _source_row(ev, ckpt.weights, 0, 0)
-            row.update(val_loss=ev.loss(ckpt.weights, "target"), val_floor=ev.target_floor)
+            row = _source_row(ev, weights, 0, 0)
+            row.update(val_loss=ev.loss(weights, "target"), val_floor=ev.target_floor)
             run.append_metrics(row)
         if run.meta().get("status") != "completed":
-            res = train(cfg, target_corpus, run, device=dev, resume=existing, init_weights=ckpt.weights,
+            res = train(cfg, target_corpus, run, device=dev, resume=existing, init_weights=weights,
                         callback=_tracker(run, ev, callback))
             if res.status != "completed":
                 raise KeyboardInterrupt  # train() caught a Ctrl-C and kept the last checkpoint
         if not any(r.get("step") == rec.steps and "source_val_loss" in r for r in run.metrics()):
             _track(run, ev, "final", rec.steps, callback)  # the final weights (also after a kill right at the end)
-        return _report(run, src, cfg, rec, ev, ckpt_path.name, ckpt.step, target_corpus)
+        return _report(run, src, src_cfg, cfg, rec, ev, ckpt_path.name, ckpt_step, target_corpus)
     finally:
         if run is not None:
             run.unlock()
@@ -352,12 +358,11 @@ def _tracker(run: Run, ev: _Evaluator, callback: Callback | None) -> Callback:
     return on_event
 
 
-def _report(run: Run, src: Run, cfg: RunConfig, rec: Recipe, ev: _Evaluator, ckpt_name: str, ckpt_step: int,
-            target_corpus: Corpus) -> dict:
+def _report(run: Run, src: Run, src_cfg: RunConfig, cfg: RunConfig, rec: Recipe, ev: _Evaluator, ckpt_name: str,
+            ckpt_step: int | None, target_corpus: Corpus) -> dict:
     curve = forgetting_curve(run.metrics())
     summary = summarise(curve)
     T, tc = cfg.data.seq_len, cfg.train
-    src_cfg = src.config()
     payload = {
         "provenance": provenance(run.path, seed=cfg.seed, checkpoint=ckpt_name, step=ckpt_step,
                                  analysis="forgetting", parent=str(src.path.resolve())),

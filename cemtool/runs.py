@@ -797,6 +797,10 @@ def load_run(path: str | Path, checkpoint: str | int = "final", device: str | to
         cfg = replace(cfg, **{"data.source": data})
     tok = load_tokenizer(run.path / "tokenizer.json")
     ckpt = read_checkpoint(find_checkpoint(run, checkpoint), manifest(run))
+    if (run.path / "model_source.json").is_file():  # a run made from a model cemtool did not train (a fine-tune)
+        from cemtool.foreign.loader import register_saved
+
+        register_saved(run.path)
     model = build_model(cfg.model)
     load_weights(model, ckpt)
     model.to(device).eval()

@@ -38,9 +38,13 @@ def print_report(rep: dict) -> None:
 @app.command()
 @guarded
 def forgetting(
-    run: Annotated[Path, typer.Argument(help="the trained source run (only read, never modified)")],
+    run: Annotated[Path, typer.Argument(help="the trained source run (only read, never modified), a Hugging Face "
+                                             "model directory or hf:ORG/NAME[@REVISION]")],
     to: Annotated[str, typer.Option("--to", help="target data: grammar-b (for grammar runs), pydoc or a .txt "
                                                  "file/folder (for byte/BPE text runs)")],
+    data: Annotated[Optional[str], typer.Option(help="the source data A whose loss is followed: default the run's "
+                                                "own; pydoc for a Hugging Face model (read with its tokenizer)")]
+    = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="the new fine-tune run directory; default "
                                                 "<run>-ft-<target> beside the source")] = None,
     steps: Annotated[Optional[int], typer.Option(help="fine-tuning steps; default min(1000, ceil(source steps "
@@ -84,7 +88,7 @@ def forgetting(
             if ev["kind"] == "source_eval" and not quiet:
                 rep.bar.console.print(f"step {ev['step']:>6}  source val {ev['source_loss']:.4f}", markup=False)
 
-        payload = fine_tune(run, to, out, checkpoint=checkpoint, steps=steps, warmup_steps=warmup,
+        payload = fine_tune(run, to, out, checkpoint=checkpoint, data=data, steps=steps, warmup_steps=warmup,
                             eval_every=eval_every, eval_tokens=eval_tokens, recipe=recipe, device=device,
                             resume=resume, force=force, callback=progress, argv=sys.argv)
     if json_:

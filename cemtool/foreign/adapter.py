@@ -295,6 +295,13 @@ class ForeignLM(nn.Module):
                                f"max_position_embeddings {self.max_seq_len}")
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
+    def num_params(self) -> dict[str, int]:
+        """Total parameters (shared tensors once) and non-embedding parameters (without the token and position
+        embeddings; an untied head is counted), as cemtool's LM.num_params."""
+        total = sum(p.numel() for p in self.parameters())
+        emb = self.tok_emb.weight.numel() + (self.pos_emb.weight.numel() if self.pos_emb is not None else 0)
+        return {"total": total, "non_embedding": total - emb}
+
     def describe(self) -> dict:
         s = self.shape
         return {"adapter": self.adapter, "layers": len(self.blocks), "d_model": self.cfg.d_model,

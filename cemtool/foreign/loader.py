@@ -27,6 +27,7 @@ PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
 TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
 SOURCE_FILE = "model_source.json"  # written beside the reports: what was loaded (read by report.provenance)
+_CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name -> transformers config
 
 
 def family_adapters() -> dict:
@@ -202,6 +203,37 @@ def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> 
                          f"({reference} attention, no hooks)", "passed": diff <= TOLERANCE * scale}
 
 
+def register_arch(config: dict) -> str:
+    """Register the architecture of a transformers config with cemtool's registry (so that ``build_model`` and the
+    training loop, e.g. a forgetting fine-tune, build it, with fresh weights) under ``hf-<model_type>-<hash>``."""
+    import hashlib
+
+    from cemtool.models.registry import register
+
+    body = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
+    arch = f"hf-{config['model_type']}-{hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:6]}"
+    _CONFIGS[arch] = body
+    register(arch, "foreign", build_foreign, description=f"transformers {config['model_type']} (cemtool.foreign)")
+    return arch
+
+
+def register_saved(run_path: Path) -> None:
+    """Register the architecture of a run made from a foreign model (a fine-tune), from its model_source.json."""
+    register_arch(json.loads((Path(run_path) / SOURCE_FILE).read_text(encoding="utf-8"))["config"])
+
+
+def build_foreign(cfg):
+    """A registered foreign architecture with fresh weights: cemtool.models.registry's builder (ModelConfig ->
+    module)."""
+    transformers = _transformers()
+    from cemtool.foreign.adapter import ForeignLM
+
+    body = dict(_CONFIGS[cfg.arch])
+    config = transformers.AutoConfig.for_model(body.pop("model_type"), **body)
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    return ForeignLM(hf, family_adapters()[config.model_type], arch=cfg.arch)
+
+
 def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = None, seq_len: int | None = None,
                  checkpoint: str | int = "final"):
     """A :class:`cemtool.runs.LoadedRun` for a local HF directory or an hf: id: the wrapped model (eval mode), a
@@ -235,7 +267,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                                 f"one)")
     tok = load_hf_tokenizer(path)
     hf = load_hf_model(path, config)
-    model = ForeignLM(hf, fam, arch=f"hf-{config.model_type}")
+    arch = register_arch(config.to_dict())
+    model = ForeignLM(hf, fam, arch=arch)
     check = logits_check(model)
     if not check["passed"]:
         raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
@@ -244,11 +277,11 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
     T = min(seq_len or DataConfig().seq_len, model.max_seq_len)
     cfg = RunConfig(model=model.cfg, data=DataConfig(source=data or "pydoc", seq_len=T))
-    described = {"source": spec, **where, "model_type": config.model_type,
+    described = {"source": spec, **where, "arch": arch, "model_type": config.model_type,
                  "architectures": list(getattr(config, "architectures", None) or []),
                  "weights": [w.name for w in weights], "transformers": _transformers().__version__,
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
-                 "logits_check": check}
+                 "logits_check": check, "config": config.to_dict()}
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
     return LoadedRun(model, cfg, tok, run, weights[0], None)
