@@ -22,6 +22,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -148,16 +149,29 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+    """Write ``obj`` as strict JSON (RFC 8259, readable by every parser): NaN and ±inf, also inside numpy or torch
+    scalars and arrays, are written as null (see :func:`_json_default`)."""
+    atomic_write_text(path, json.dumps(_json_default(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
 def _json_default(o: Any) -> Any:
-    if hasattr(o, "item"):
-        return o.item()
-    if hasattr(o, "tolist"):
-        return o.tolist()
+    """``o`` as plain JSON values (dict, list, str, int, finite float, bool, None), recursively: numpy/torch
+    scalars and arrays become Python numbers and lists, tuples lists, paths strings, and every non-finite float
+    None. Also usable as ``json.dumps(default=...)``; other types raise TypeError."""
+    if o is None or isinstance(o, (str, bool, int)):
+        return o
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _json_default(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_json_default(v) for v in o]
     if isinstance(o, Path):
         return str(o)
+    if hasattr(o, "tolist"):  # numpy / torch scalars and arrays (a 0-d array's tolist() is a scalar)
+        return _json_default(o.tolist())
+    if hasattr(o, "item"):
+        return _json_default(o.item())
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
@@ -236,6 +250,7 @@ def is_run(path: Path) -> bool:
 
 
 RUN_SUBDIRS = ("checkpoints", "reports", "plots")
+RUN_FILES = ("config.json", "meta.json", "metrics.jsonl", "tokenizer.json", "report.md")
 
 
 @dataclass
@@ -290,6 +305,11 @@ class Run:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self.lock_fd = fd
+        for name in RUN_FILES + RUN_SUBDIRS:  # a writer never follows a link planted among the run's files
+            if (self.path / name).is_symlink():
+                self.unlock()
+                raise CemtoolError(f"{self.path / name} is a symbolic link: cemtool does not follow links inside a "
+                                   "run directory", hint="replace the link by a real file or folder")
         for d in (self.path, *(self.path / s for s in RUN_SUBDIRS)):
             clean_stale_temps(d)
 

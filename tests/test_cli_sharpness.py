@@ -94,6 +94,10 @@ def test_a_pyhessian_failure_is_reported_not_raised(run_dir, monkeypatch):
     (["--tokens", "0"], "--tokens must be positive"),
     (["--checkpoint", "step_999"], "does not exist"),
     (["--trace-method", "magic"], "unknown trace method"),
+    (["--density-sigma", "-1"], "density_sigma must be a positive number"),
+    (["--density-sigma", "0"], "density_sigma must be a positive number"),
+    (["--top-k", "3", "--lanczos-steps", "3"], "need at least 4 Lanczos steps"),
+    (["--name", "../../escape"], "not a plain name"),
 ])
 def test_bad_input_is_one_line(run_dir, args, message):
     res = invoke(run_dir, *QUICK, *args)
@@ -109,6 +113,46 @@ def test_missing_checkpoint_and_missing_run(run_dir, tmp_path):
     assert res.exit_code == 1 and "no final checkpoint" in res.output
     res = invoke(str(tmp_path / "nowhere"), *QUICK)
     assert res.exit_code == 1 and "does not exist" in res.output
+
+
+def test_a_file_is_not_a_run_directory(run_dir):
+    from pathlib import Path
+
+    res = invoke(str(Path(run_dir) / "config.json"), *QUICK)
+    assert res.exit_code == 1 and "is a file, not a run directory" in res.output
+
+
+def test_the_default_report_is_strict_json(run_dir):
+    from pathlib import Path
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    res = invoke(run_dir, *QUICK, "--landscape", "none", "--no-plot")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((Path(run_dir) / "reports" / "sharpness.json").read_text(), parse_constant=refuse)
+    assert rep["density"]["runs"] == 1 and "trace" not in rep["density"]
+
+
+def test_tokens_used_and_requested_are_said_on_stdout_and_in_the_report(run_dir):
+    from pathlib import Path
+
+    res = invoke(run_dir, *QUICK, "--tokens", "5", "--landscape", "none", "--no-plot")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((Path(run_dir) / "reports" / "sharpness.json").read_text())
+    assert rep["tokens_requested"] == 5 and rep["tokens"] > 5
+    assert f"note: {rep['tokens']} evaluation tokens used of 5 requested" in res.output  # printed even with -q
+    assert rep["notes"] == [res.output.split("note: ")[1].strip()]
+
+
+def test_pyhessian_with_top_k_0_computes_no_eigenvalues(run_dir):
+    from pathlib import Path
+
+    res = invoke(run_dir, *QUICK, "--backend", "pyhessian", "--top-k", "0", "--density-runs", "0")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((Path(run_dir) / "reports" / "sharpness_pyhessian.json").read_text())
+    assert rep["eigenvalues"] == [] and rep["eigen_hvps"] == 0 and rep["density_nodes"] == []
+    assert rep["trace"] is not None and rep["steps"] == ["trace"]
 
 
 def test_model_too_large_for_fp64_is_one_line(run_dir, monkeypatch):

@@ -244,8 +244,61 @@ def test_measure_sharpness_reports_every_estimate_with_its_cost(model_problem):
     rows = rep.rows()
     kinds = {r["quantity"] for r in rows}
     assert {"lambda_top", "lambda_bottom", "trace_xtrace", "trace_hutch++", "trace_hutchinson", "sharpness_sam",
-            "sharpness_asam", "sharpness_average", "trace_slq", "density_sigma"} <= kinds
+            "sharpness_asam", "sharpness_average", "density_sigma"} <= kinds
+    assert "trace_slq" not in kinds  # one SLQ probe is not a trace estimate
     assert all(r["tokens"] == 32 and "seed" in r for r in rows)
     assert all(r["uncertainty"] is not None for r in rows if r["quantity"].startswith(("trace", "lambda")))
     assert "eigenvalues (Lanczos)" in seen and "2-D loss slice" in seen
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_progress_completes_when_lanczos_stops_early(model_problem):
+    model, x, y, _ = model_problem
+    opts = SharpnessOptions(dtype="fp64", top_k=1, bottom_k=1, lanczos_steps=60, tol=1e-2, trace_hvps=9,
+                            density_runs=0, avg_samples=2, landscape="none")
+    last: dict[str, tuple[int, int]] = {}
+    rep = measure_sharpness(model, x, y, opts, progress=lambda stage, done, total: last.__setitem__(stage,
+                                                                                                   (done, total)))
+    assert rep.eigen.steps < 60  # converged early
+    assert last["eigenvalues (Lanczos)"] == (rep.eigen.steps, rep.eigen.steps)  # the bar completes where it stopped
+    assert last["trace (xtrace)"] == (8, 8)  # XTrace uses an even number of HVPs
+    assert all(done == total for done, total in last.values()), last
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(density_sigma=-1.0), "density_sigma must be a positive number"),
+    (dict(density_sigma=0.0), "density_sigma must be a positive number"),
+    (dict(sam_rho=float("nan")), "sam_rho must be a finite number"),
+    (dict(tol=float("inf")), "tol must be a finite number"),
+    (dict(top_k=30, lanczos_steps=20), "need at least 31 Lanczos steps"),
+])
+def test_options_refuse_what_cannot_be_measured(bad, message):
+    with pytest.raises(CemtoolError, match=message):
+        SharpnessOptions(**bad)
+
+
+def test_tokens_requested_and_used_are_both_reported(model_problem):
+    model, x, y, _ = model_problem
+    opts = SharpnessOptions(top_k=1, bottom_k=0, lanczos_steps=3, trace_hvps=0, density_runs=0, sam_rho=0,
+                            asam_rho=0, avg_rho=0, landscape="none")
+    rep = measure_sharpness(model, x, y, opts, tokens_requested=10_000)
+    assert rep.tokens == 32 and rep.tokens_requested == 10_000
+    assert rep.notes == ["32 evaluation tokens used of 10,000 requested: the validation split holds only 4 windows "
+                         "of 8 tokens"]
+    assert rep.payload()["tokens_requested"] == 10_000 and rep.payload()["notes"] == rep.notes
+    assert measure_sharpness(model, x, y, opts, tokens_requested=32).notes == []
+
+
+def test_reports_are_strict_json(tmp_path):
+    from cemtool.runs import atomic_write_json
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    payload = {"trace_se": float("nan"), "inf": float("-inf"), "np": np.float32("nan"), "arr": np.array([1.0, np.inf]),
+               "t": torch.tensor([float("nan"), 2.0]), "t0": torch.tensor(3.5), "ok": [1, 2.5, None, True, "x"],
+               "nested": ({"a": np.float64("inf")},), "i": np.int64(7), "b": np.bool_(True)}
+    atomic_write_json(tmp_path / "r.json", payload)
+    back = json.loads((tmp_path / "r.json").read_text(), parse_constant=refuse)
+    assert back == {"trace_se": None, "inf": None, "np": None, "arr": [1.0, None], "t": [None, 2.0], "t0": 3.5,
+                    "ok": [1, 2.5, None, True, "x"], "nested": [{"a": None}], "i": 7, "b": True}

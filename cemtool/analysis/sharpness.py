@@ -249,6 +249,13 @@ def loss_slice_2d(obj: Objective, span: float = 1.0, points: int = 11, *, seed: 
 # --------------------------------------------------------------------------------------------------------------
 # everything at once: what `cemtool sharpness` runs
 
+
+def tokens_note(requested: int, used: int, windows: int, seq_len: int) -> str:
+    """Why the evaluation set holds ``used`` tokens when ``requested`` were asked for (whole windows only)."""
+    why = (f"the validation split holds only {windows} windows of {seq_len} tokens"
+           if windows < max(1, requested // seq_len) else f"the evaluation set is whole windows of {seq_len} tokens")
+    return f"{used:,} evaluation tokens used of {requested:,} requested: {why}"
+
 TRACE_METHODS = {"hutchinson": hs.hutchinson, "hutch++": hs.hutch_plus_plus, "xtrace": hs.xtrace}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
@@ -293,6 +300,17 @@ class SharpnessOptions:
                      "avg_samples"):
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
+        for name in ("tol", "sam_rho", "asam_rho", "asam_eta", "avg_rho", "slice_span"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise CemtoolError(f"{name} must be a finite number >= 0, got {v}")
+        if self.density_sigma is not None and not (math.isfinite(self.density_sigma) and self.density_sigma > 0):
+            raise CemtoolError(f"density_sigma must be a positive number, got {self.density_sigma}",
+                               hint="leave it out for 1% of the spectral spread")
+        if 0 < self.lanczos_steps < self.top_k + self.bottom_k:
+            raise CemtoolError(f"top_k {self.top_k} + bottom_k {self.bottom_k} eigenvalues need at least "
+                               f"{self.top_k + self.bottom_k} Lanczos steps, lanczos_steps is {self.lanczos_steps}",
+                               hint="raise --lanczos-steps or lower --top-k/--bottom-k")
 
 
 @dataclass
@@ -308,6 +326,8 @@ class SharpnessReport:
     param_names: list[str]
     loss: float
     grad_norm: float
+    tokens_requested: int | None = None  # what the caller asked for (``tokens`` is what was used)
+    notes: list[str] = field(default_factory=list)  # every change to what was asked, in words
     eigen: Eigenvalues | None = None
     traces: list[Trace] = field(default_factory=list)
     density: Density | None = None
@@ -360,9 +380,6 @@ class SharpnessReport:
                              hvps=t.hvps, evaluations=0, seconds=t.seconds, **common))
         d = self.density
         if d is not None:
-            rows.append(dict(quantity="trace_slq", index=0, value=d.trace, uncertainty=d.trace_se,
-                             uncertainty_kind="standard error", converged=None, hvps=d.hvps, evaluations=0,
-                             seconds=d.seconds, **common))
             rows.append(dict(quantity="density_sigma", index=0, value=d.sigma, uncertainty=None,
                              uncertainty_kind=None, converged=None, hvps=d.hvps, evaluations=0, seconds=d.seconds,
                              **common))
@@ -376,20 +393,36 @@ class SharpnessReport:
 
 
 def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-                      options: SharpnessOptions | None = None, progress: Progress | None = None) -> SharpnessReport:
+                      options: SharpnessOptions | None = None, progress: Progress | None = None, *,
+                      tokens_requested: int | None = None) -> SharpnessReport:
     """Curvature and sharpness of ``model`` on the evaluation set (x, y): (sequences, tokens) int64.
 
     Runs, as the options ask: the loss and gradient; extreme eigenvalues (Lanczos); the trace (each method in
     ``trace_methods``); the spectral density (SLQ, its first run continuing the eigenvalue run); SAM, ASAM and
     average-case sharpness; loss slices. The model is left exactly as it was (mode, dtype, weights).
+    ``tokens_requested``: the token count the caller asked for, recorded with a note when x, y hold another.
+    ``progress(stage, done, total)``: a stage that ends before its cap (Lanczos converged early) is reported
+    once more with total = done, so a bar completes at what was done.
     """
     o = options or SharpnessOptions()
     t0 = time.perf_counter()
+    last: dict[str, tuple[int, int]] = {}  # stage -> (done, total)
 
     def stage(name: str, total: int) -> Callback:
+        last[name] = (0, total)
         if progress is not None:
             progress(name, 0, total)
-        return (lambda done: progress(name, done, total)) if progress is not None else (lambda done: None)
+
+        def cb(done: int) -> None:
+            last[name] = (done, total)
+            if progress is not None:
+                progress(name, done, total)
+        return cb
+
+    def end(name: str) -> None:
+        done, total = last[name]
+        if progress is not None and 0 < done < total:
+            progress(name, done, done)
 
     vectors = max(o.lanczos_steps, o.density_steps) + (o.trace_hvps if o.trace_methods else 0)
     with Objective(model, x, y, params=o.params, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
@@ -399,18 +432,25 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         cb(1)
         rep = SharpnessReport(o, obj.tokens, int(x.shape[0]), int(x.shape[1]), obj.n,
                               sum(p.numel() for p in obj.model.parameters()), list(obj.names), loss0,
-                              float(g.norm()), batches=len(obj.batches))
+                              float(g.norm()), batches=len(obj.batches), tokens_requested=tokens_requested)
+        if tokens_requested is not None and tokens_requested != obj.tokens:
+            rep.notes.append(tokens_note(tokens_requested, obj.tokens, int(x.shape[0]), int(x.shape[1])))
         if o.top_k + o.bottom_k > 0 and o.lanczos_steps > 0:
+            name = "eigenvalues (Lanczos)"
             rep.eigen = lanczos(obj, o.top_k, o.bottom_k, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,
-                                callback=stage("eigenvalues (Lanczos)", min(o.lanczos_steps, obj.n)))
+                                callback=stage(name, min(o.lanczos_steps, obj.n)))
+            end(name)
         for method in o.trace_methods if o.trace_hvps > 0 else ():
+            name = f"trace ({method})"
             rep.traces.append(TRACE_METHODS[method](obj, o.trace_hvps, seed=o.seed + 1,
-                                                    callback=stage(f"trace ({method})", o.trace_hvps)))
+                                                    callback=stage(name, o.trace_hvps)))
+            end(name)
         if o.density_runs > 0 and o.density_steps > 0:
             reuse = [rep.eigen.state] if rep.eigen is not None and rep.eigen.state is not None else []
             total = o.density_runs * min(o.density_steps, obj.n) - sum(min(s.steps, o.density_steps) for s in reuse)
             rep.density = slq(obj, o.density_runs, o.density_steps, seed=o.seed + 2, sigma=o.density_sigma,
                               reuse=reuse, callback=stage("spectral density (SLQ)", max(total, 0)))
+            end("spectral density (SLQ)")
         if rep.eigen is not None:
             rep.eigen.state = None  # release the basis
         rep.kept_graph_batches = obj._n_kept

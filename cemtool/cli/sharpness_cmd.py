@@ -24,6 +24,7 @@ class StageBar:
     def __init__(self, quiet: bool):
         self.bar = console.progress(quiet)
         self.tasks: dict[str, int] = {}
+        self.caps: dict[str, int] = {}  # the total each stage announced first
 
     def __enter__(self):
         self.bar.__enter__()
@@ -33,12 +34,17 @@ class StageBar:
         self.bar.__exit__(*exc)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        """A stage that stops before its cap (Lanczos converged) is called with total = done: the bar completes
+        there and says so, and its clock stops."""
         if stage not in self.tasks:
             self.tasks[stage] = self.bar.add_task(stage, total=max(total, 1), status="")
             if total == 0:
                 self.bar.update(self.tasks[stage], completed=1, status="reused")
                 return
-        self.bar.update(self.tasks[stage], completed=done, status="")
+        cap = self.caps.setdefault(stage, total)
+        early = total < cap  # stopped before its cap: complete the bar at what was done
+        self.bar.update(self.tasks[stage], completed=done, total=max(total, 1),
+                        status=f"stopped early ({done} of {cap})" if early else "")
 
 
 def _fmt(v, digits: int = 5) -> str:
@@ -158,12 +164,16 @@ def sharpness(
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
     from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
-    from cemtool.runs import load_run
+    from cemtool.runs import _json_default, load_run, safe_name
     from cemtool.train import pick_device
 
     if backend not in ("cemtool", "pyhessian"):
         raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
     resolve_dtype(dtype)
+    if name is not None:
+        safe_name(name, "--name")
+    if run.is_file():
+        raise CemtoolError(f"{run} is a file, not a run directory", hint="pass the directory `cemtool train` made")
     if quick:
         tokens = min(tokens, QUICK["tokens"])
         top_k, bottom_k = min(top_k, QUICK["top_k"]), min(bottom_k, QUICK["bottom_k"])
@@ -173,6 +183,19 @@ def sharpness(
     if tokens <= 0:
         raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
+    opts = SharpnessOptions(  # validated before anything is loaded
+        params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
+        lanczos_steps=lanczos_steps, tol=tol,
+        trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
+        density_runs=density_runs, density_steps=density_steps, density_sigma=density_sigma, sam_rho=sam_rho,
+        asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho, avg_samples=avg_samples,
+        landscape=landscape,
+        slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
+        slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
+        slice_span=slice_span, seed=seed, device=str(dev))
+    if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
+        raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
+                           "to measure")
     loaded = load_run(run, checkpoint, device=dev, data=data)
     x, y = evaluation_set(loaded, tokens)
     arch = loaded.config.model.arch
@@ -183,22 +206,12 @@ def sharpness(
     seq = x.shape[1]
     if backend == "pyhessian":
         _pyhessian(loaded, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size, top_k=top_k,
-                   density_runs=density_runs, density_steps=density_steps, seed=seed,
-                   name=name or "sharpness_pyhessian", quiet=quiet, json_=json_, where=where)
+                   trace_hvps=trace_hvps, density_runs=density_runs, density_steps=density_steps, seed=seed,
+                   name=name or "sharpness_pyhessian", quiet=quiet, json_=json_, where=where, tokens=tokens)
         return
 
-    opts = SharpnessOptions(
-        params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
-        lanczos_steps=lanczos_steps, tol=tol,
-        trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
-        density_runs=density_runs, density_steps=density_steps, density_sigma=density_sigma, sam_rho=sam_rho,
-        asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho, avg_samples=avg_samples,
-        landscape=landscape,
-        slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
-        slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
-        slice_span=slice_span, seed=seed, device=str(dev))
     with StageBar(quiet) as bar:
-        rep = measure_sharpness(loaded.model, x, y, opts, progress=bar)
+        rep = measure_sharpness(loaded.model, x, y, opts, progress=bar, tokens_requested=tokens)
     report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
     payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
     figures = []
@@ -207,7 +220,7 @@ def sharpness(
 
         figures = plot_sharpness(payload, loaded.run.plots, prefix=report_name)
     if json_:
-        console.print_json(payload)
+        console.print_json(_json_default(payload))  # strict JSON: null for non-finite numbers, as in the report
         return
     console.table(f"sharpness of {arch} ({rep.n_params:,} of {rep.n_model_params:,} parameters: {params}) on "
                   f"N = {rep.tokens:,} tokens", ["quantity", "value", "notes"], _summary(rep, where))
@@ -215,28 +228,37 @@ def sharpness(
                    f"{rep.seconds:.1f} s; N = {rep.tokens:,} tokens, seed {seed}")
     console.result(f"report: {paths['json']}  table: {paths['csv']}"
                    + (f"  figures: {', '.join(str(p) for p in figures if p.suffix == '.png')}" if figures else ""))
+    for note in rep.notes:
+        console.result(f"note: {note}")
 
 
-def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, density_runs, density_steps, seed, name,
-               quiet, json_, where) -> None:
+def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_hvps, density_runs, density_steps,
+               seed, name, quiet, json_, where, tokens) -> None:
     """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens."""
     from dataclasses import asdict
 
     from cemtool.analysis.pyhessian_backend import run_pyhessian
+    from cemtool.analysis.sharpness import tokens_note
     from cemtool.report import provenance, write_report
-    from cemtool.runs import read_json
+    from cemtool.runs import _json_default, read_json
 
-    console.info("running PyHessian (power iteration, Hutchinson with its own stopping rule, SLQ)", quiet)
+    steps = tuple(s for s, on in (("eigenvalues", top_k > 0), ("trace", trace_hvps > 0),
+                                  ("density", density_runs > 0)) if on)  # a budget of 0 skips, as with cemtool
+    console.info(f"running PyHessian ({', '.join(steps)}; power iteration, Hutchinson with its own stopping rule, "
+                 "SLQ)", quiet)
     t0 = time.perf_counter()
     res = run_pyhessian(loaded.model, x, y, params=params, dtype=dtype, device=device, batch_size=batch_size,
                         top_k=max(top_k, 1), density_runs=max(density_runs, 1), density_steps=density_steps,
-                        seed=seed)
+                        seed=seed, steps=steps)
     seconds = time.perf_counter() - t0
     ckpt = loaded.checkpoint.name
     payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
                                         analysis="sharpness", backend="pyhessian", pyhessian=res.version,
                                         tokens=res.tokens, device=str(device)),
-               "params": params, "dtype": dtype, "seconds": seconds, **asdict(res)}
+               "params": params, "dtype": dtype, "seconds": seconds, "steps": list(steps),
+               "tokens_requested": tokens,
+               "notes": [tokens_note(tokens, res.tokens, int(x.shape[0]), int(x.shape[1]))] if tokens != res.tokens
+               else [], **asdict(res)}
     rows = [{"quantity": "lambda_power_iteration", "index": i + 1, "value": v, "hvps": res.eigen_hvps,
              "seconds": res.eigen_seconds, "tokens": res.tokens, "seed": seed} for i, v in enumerate(res.eigenvalues)]
     if res.trace is not None:
@@ -244,7 +266,7 @@ def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, densit
                      "hvps": res.trace_hvps, "seconds": res.trace_seconds, "tokens": res.tokens, "seed": seed})
     paths = write_report(loaded.run.reports, name, payload, rows)
     if json_:
-        console.print_json(payload)
+        console.print_json(_json_default(payload))
         return
     ours = None
     mine = loaded.run.reports / ("sharpness.json" if params == "all" else f"sharpness-{_slug(params)}.json")
@@ -276,3 +298,5 @@ def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, densit
     if res.density_note:
         console.result(f"note: {res.density_note}")
     console.result(f"report: {paths['json']}  ({seconds:.1f} s; N = {res.tokens:,} tokens)")
+    for note in payload["notes"]:
+        console.result(f"note: {note}")
