@@ -14,6 +14,13 @@ the tokens trained) are recorded. Then the chosen analyses run on it, through th
   item, holding ``reports/forgetting.json`` (options: ``steps``, ``warmup_steps``, ``eval_every``,
   ``eval_tokens``, ``checkpoint`` and the Recipe fields ``lr``, ``beta1``, ...).
 
+Grids: ``grid=("train.lr=1e-3,3e-3", ...)`` (``--grid``) trains every architecture x seed x grid point (the product
+of all grids); each value is a ``--set`` override, and the item's name carries its point
+(``<arch>-lr=3e-3-s<seed>``). :func:`select` picks each architecture's best point on such a tuning study (lowest
+mean final validation loss over its seeds), writes ``selection.json`` into it with every point's results, and a
+comparison study planned with ``arch_overrides`` (``--tuned DIR``) trains each architecture at its chosen values
+on seeds disjoint from the tuning seeds (an overlap is refused).
+
 Resuming: running the same sweep again (or ``cemtool sweep --resume DIR``) continues where it stopped. A
 completed run is skipped; a run left ``running``/``interrupted``/``failed`` (a killed process, Ctrl-C) continues
 from its newest step checkpoint (``train(..., resume=True)``); an analysis whose report exists is skipped; an
@@ -26,9 +33,11 @@ locked while a sweep runs in it.
       "schema_version": 1, "kind": "cemtool-study", "created", "updated",
       "status": "running" | "completed" | "incomplete" | "interrupted",
       "plan": {"archs": [...], "seeds": [...], "tokens": int, "data": str, "overrides": ["k=v", ...],
-               "analyses": [...], "target": str | null, "options": {analysis: {key: value}}},
+               "analyses": [...], "target": str | null, "options": {analysis: {key: value}},
+               "grid": ["key=v1,v2", ...], "arch_overrides": {arch: ["k=v", ...]}, "tuned_from": str | null},
       "items": [{
-        "name": "<arch>-s<seed>", "arch", "seed", "run": "<arch>-s<seed>",
+        "name": "<arch>-s<seed>" (with a grid "<arch>-<key>=<value>...-s<seed>"), "arch", "seed", "run": name,
+        "point": {key: value} (with a grid),
         "status": "pending" | "running" | "completed" | "failed" | "interrupted", "error": str | null,
         "step", "tokens", "val_loss", "val_floor", "seconds",
         "params", "non_embedding", "flops_per_token", "flops_forward_per_token", "total_flops",
@@ -40,7 +49,11 @@ locked while a sweep runs in it.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import re
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -49,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from cemtool.config import RunConfig, resolve, to_dict
+from cemtool.config import RunConfig, parse_override, resolve, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.errors import CemtoolError
 from cemtool.runs import Run, atomic_write_json, create_run, is_run, now, open_run, read_json
@@ -59,6 +72,8 @@ SCHEMA_VERSION = 1
 ANALYSES = ("sharpness", "collapse", "forgetting")
 COLLAPSE_DEFAULTS = {"checkpoint": "final", "tokens": 16384, "seq_len": None, "batch_size": 16, "alpha": 0.5,
                      "words": None, "k": 4, "folds": 5, "per_class": 256, "seed": 0}  # cemtool collapse-report's
+RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data"}
+SELECTION = "selection.json"
 FORGETTING_KEYS = {"steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint", "lr", "beta1", "beta2",
                    "weight_decay", "min_lr_ratio", "grad_clip"}
 
@@ -79,6 +94,9 @@ class Plan:
     analyses: tuple[str, ...] = ()
     target: str | None = None
     options: dict = field(default_factory=dict)
+    grid: tuple[str, ...] = ()
+    arch_overrides: dict = field(default_factory=dict)
+    tuned_from: str | None = None
 
     def to_dict(self) -> dict:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
@@ -100,33 +118,112 @@ def _split_list(value: str | list | tuple, what: str, plural: str) -> list[str]:
     return items
 
 
-def item_config(plan: Plan, arch: str, seed: int) -> RunConfig:
-    """The resolved config of one item (before the data fill in vocab_size / max_seq_len)."""
-    return resolve(arch=arch, overrides=[*plan.overrides, f"train.max_tokens={plan.tokens}"], seed=seed,
-                   data_source=plan.data)
+def parse_seeds(seeds: str | list) -> list[int]:
+    seed_strs = _split_list(seeds, "seed", "seeds")
+    try:
+        return [int(s) for s in seed_strs]
+    except ValueError:
+        raise CemtoolError(f"seeds must be integers, got {','.join(seed_strs)}") from None
+
+
+def item_config(plan: Plan, arch: str, seed: int, point: dict | None = None) -> RunConfig:
+    """The resolved config of one item (before the data fill in vocab_size / max_seq_len): the plan's overrides,
+    then the architecture's tuned values, then the item's grid point."""
+    return resolve(arch=arch, overrides=[*item_overrides(plan, arch, point), f"train.max_tokens={plan.tokens}"],
+                   seed=seed, data_source=plan.data)
+
+
+def item_overrides(plan: Plan, arch: str, point: dict | None = None) -> list[str]:
+    return [*plan.overrides, *plan.arch_overrides.get(arch, []), *[f"{k}={v}" for k, v in (point or {}).items()]]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# grids
+
+
+def _override_key(item: str) -> str:
+    return item.split("=", 1)[0].strip()
+
+
+def _split_values(raw: str) -> list[str]:
+    """'1e-3,3e-3' -> ['1e-3', '3e-3']; commas inside brackets stay ('[2,4],[4,2]' -> ['[2,4]', '[4,2]'])."""
+    out, depth, cur = [], 0, ""
+    for ch in raw:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [v for v in [*out, cur.strip()] if v]
+
+
+def parse_grid(grid: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]:
+    """['train.lr=1e-3,3e-3', ...] -> [('train.lr', ['1e-3', '3e-3']), ...] (values as given: each is parsed like
+    a --set override). A key given twice, a value given twice, no values, or a key set by a sweep option is
+    refused."""
+    out: list[tuple[str, list[str]]] = []
+    for item in grid:
+        if "=" not in item or not _override_key(item):
+            raise CemtoolError(f"--grid {item!r} is not of the form key=v1,v2,...",
+                               hint="e.g. --grid train.lr=1e-3,3e-3")
+        key, raw = _override_key(item), item.split("=", 1)[1]
+        if key in RESERVED:
+            raise CemtoolError(f"--grid {key} is not a grid key: use {RESERVED[key]}")
+        if key in [k for k, _ in out]:
+            raise CemtoolError(f"--grid {key} is given twice", hint="list all its values in one --grid")
+        values = _split_values(raw)
+        if not values:
+            raise CemtoolError(f"--grid {key} lists no values")
+        parsed = [json.dumps(parse_override(f"{key}={v}"), sort_keys=True) for v in values]
+        dup = [v for v, q in zip(values, parsed, strict=True) if parsed.count(q) > 1]
+        if dup:
+            raise CemtoolError(f"--grid {key}: {' and '.join(map(repr, dup))} are the same value")
+        out.append((key, values))
+    return out
+
+
+def grid_points(plan: Plan) -> list[dict[str, str]]:
+    """Every grid point ({key: value}, the product of the grids in order); [{}] without a grid."""
+    grid = parse_grid(plan.grid)
+    return [dict(zip([k for k, _ in grid], combo, strict=True)) for combo in itertools.product(*[v for _, v in grid])]
+
+
+def item_name(arch: str, seed: int, point: dict[str, str]) -> str:
+    """'<arch>-s<seed>', or with a grid point '<arch>-lr=3e-3-s<seed>' (a key by its last part unless two grid keys
+    share it; characters other than letters, digits and . _ + - = become _)."""
+    keys = list(point)
+    short = {k: k.rsplit(".", 1)[-1] for k in keys}
+    parts = [f"{short[k] if list(short.values()).count(short[k]) == 1 else k}={v}" for k, v in point.items()]
+    return re.sub(r"[^A-Za-z0-9._+=-]", "_", "-".join([arch, *parts, f"s{seed}"]))
 
 
 def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None, data: str = "grammar",
               overrides: list[str] | tuple = (), analyses: str | list = (), target: str | None = None,
-              options: dict | None = None) -> Plan:
-    """Validate a study's plan (unknown architecture, bad override, no seeds... -> CemtoolError). ``tokens``
-    defaults to what the first architecture's config trains on (train.max_tokens, else max_steps x batch)."""
+              options: dict | None = None, grid: list[str] | tuple = (), arch_overrides: dict | None = None,
+              tuned_from: str | None = None) -> Plan:
+    """Validate a study's plan (unknown architecture, bad override, no seeds, bad grid... -> CemtoolError).
+    ``tokens`` defaults to what the first architecture's config trains on (train.max_tokens, else max_steps x
+    batch). ``grid``: ['key=v1,v2', ...] (every point is trained); ``arch_overrides``: {arch: ['key=value']} (the
+    tuned values, see :func:`plan_from_tuning`)."""
     from cemtool.data.grammar import GRAMMARS
     from cemtool.train import total_steps
 
     arch_list = _split_list(archs, "architecture", "architectures")
-    seed_strs = _split_list(seeds, "seed", "seeds")
-    try:
-        seed_list = [int(s) for s in seed_strs]
-    except ValueError:
-        raise CemtoolError(f"seeds must be integers, got {','.join(seed_strs)}") from None
+    seed_list = parse_seeds(seeds)
     chosen = _split_list(analyses, "analysis", "analyses") if analyses else []
     bad = [a for a in chosen if a not in ANALYSES]
     if bad:
         raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=f"choose from {', '.join(ANALYSES)}")
     if tokens is not None and tokens < 1:
         raise CemtoolError(f"--tokens must be positive, got {tokens}")
-    cfgs = [resolve(arch=a, overrides=list(overrides), data_source=data) for a in arch_list]  # validates all
+    arch_overrides = {a: list(v) for a, v in (arch_overrides or {}).items()}
+    _check_grid(grid, overrides, arch_overrides, arch_list)
+    draft = Plan(tuple(arch_list), (), 0, data, tuple(overrides), grid=tuple(grid), arch_overrides=arch_overrides)
+    for a in arch_list:  # validates every architecture at every grid point
+        for point in grid_points(draft):
+            resolve(arch=a, overrides=item_overrides(draft, a, point), data_source=data)
+    cfgs = [resolve(arch=a, overrides=item_overrides(draft, a), data_source=data) for a in arch_list]
     if tokens is None:
         c = cfgs[0]
         tokens = c.train.max_tokens or total_steps(c) * c.train.batch_size * c.train.grad_accum * c.data.seq_len
@@ -143,8 +240,29 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
         check_tokenizer("word" if data in GRAMMARS else "text", target)
     options = {k: dict(v) for k, v in (options or {}).items()}
     _check_options(options, chosen)
-    return Plan(tuple(arch_list), tuple(seed_list), int(tokens), data, tuple(overrides), tuple(chosen), target,
-                options)
+    plan = Plan(tuple(arch_list), tuple(seed_list), int(tokens), data, tuple(overrides), tuple(chosen), target,
+                options, tuple(grid), arch_overrides, tuned_from)
+    names = [it["name"] for it in new_manifest(plan)["items"]]
+    clash = sorted({n for n in names if names.count(n) > 1})
+    if clash:
+        raise CemtoolError(f"two grid points give the same run name {clash[0]!r}", hint="write the values apart")
+    return plan
+
+
+def _check_grid(grid, overrides, arch_overrides: dict, archs: list[str]) -> None:
+    """Grid keys, --set keys and tuned keys must not overlap (which one would win is not what the user asked)."""
+    grid_keys = [k for k, _ in parse_grid(grid)]
+    set_keys = {_override_key(o) for o in overrides}
+    for key in grid_keys:
+        if key in set_keys:
+            raise CemtoolError(f"{key} is both in --set and in --grid", hint="drop one of them")
+    for arch, items in arch_overrides.items():
+        if arch not in archs:
+            raise CemtoolError(f"tuned values are given for {arch!r}, which is not among the architectures")
+        for key in map(_override_key, items):
+            if key in set_keys or key in grid_keys:
+                where = "--set" if key in set_keys else "--grid"
+                raise CemtoolError(f"{key} is tuned per architecture and also in {where}", hint="drop it there")
 
 
 def _check_options(options: dict, chosen: list[str]) -> None:
@@ -161,6 +279,85 @@ def _check_options(options: dict, chosen: list[str]) -> None:
         bad = sorted(set(opts) - known[name])
         if bad:
             raise CemtoolError(f"unknown {name} option {bad[0]!r}", hint=f"known: {', '.join(sorted(known[name]))}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# selection on a tuning study
+
+
+def select(tuning: str | Path, archs: list[str] | tuple | None = None, final_seeds: list[int] | tuple = ()) -> dict:
+    """Each architecture's best grid point in the finished tuning study ``tuning``: the lowest mean final validation
+    loss over the tuning seeds (a point with a failed run, e.g. a diverged learning rate, cannot be chosen; a tie
+    goes to the earlier point in grid order). Refuses ``final_seeds`` (the comparison's) that tuned the values.
+    Writes <tuning>/selection.json (the choice and every point's results) and returns it."""
+    path = Path(tuning)
+    study = open_study(path)
+    plan, items = study.plan, study.manifest["items"]
+    if not plan.grid:
+        raise CemtoolError(f"{path} is not a tuning study: it was planned without --grid")
+    overlap = sorted(set(final_seeds) & set(plan.seeds))
+    if overlap:
+        raise CemtoolError(f"seed {overlap[0]} tuned the values in {path}: the comparison must use other seeds",
+                           hint=f"tuning seeds: {','.join(map(str, plan.seeds))}")
+    archs = list(plan.archs if archs is None else archs)
+    missing = [a for a in archs if a not in plan.archs]
+    if missing:
+        raise CemtoolError(f"{path} did not tune {missing[0]!r}", hint=f"it tuned {', '.join(plan.archs)}")
+    left = [it["name"] for it in items if it["arch"] in archs and it["status"] not in ("completed", "failed")]
+    if left:
+        raise CemtoolError(f"{path} is not finished ({len(left)} run(s) left, e.g. {left[0]})",
+                           hint=f"continue it first: cemtool sweep --resume {path}")
+    chosen = {a: _select_arch(a, plan, items) for a in archs}
+    selection = {"schema_version": SCHEMA_VERSION, "kind": "cemtool-selection",
+                 "rule": "lowest mean final validation loss over the tuning seeds", "grid": list(plan.grid),
+                 "tuning_seeds": list(plan.seeds), "tokens": plan.tokens, "data": plan.data,
+                 "overrides": list(plan.overrides), "archs": chosen}
+    atomic_write_json(path / SELECTION, selection)
+    return selection
+
+
+def _select_arch(arch: str, plan: Plan, items: list[dict]) -> dict:
+    points = []
+    for pt in grid_points(plan):
+        runs = [it for it in items if it["arch"] == arch and it.get("point", {}) == pt]
+        losses = [it.get("val_loss") for it in runs]
+        ok = all(it["status"] == "completed" and v is not None and math.isfinite(v) for it, v in zip(runs, losses,
+                                                                                                     strict=True))
+        points.append({"point": pt, "runs": [it["run"] for it in runs], "seeds": [it["seed"] for it in runs],
+                       "val_loss": losses, "failed": sum(it["status"] == "failed" for it in runs),
+                       "mean_val_loss": statistics.fmean(losses) if ok and runs else None,
+                       "std_val_loss": statistics.stdev(losses) if ok and len(runs) > 1 else None})
+    eligible = [p for p in points if p["mean_val_loss"] is not None]
+    if not eligible:
+        raise CemtoolError(f"no grid point of {arch} trained on every tuning seed (all have failed runs)",
+                           hint="widen the grid towards values that train")
+    best = min(eligible, key=lambda p: p["mean_val_loss"])  # the first of equal means
+    return {"chosen": best["point"], "overrides": [f"{k}={v}" for k, v in best["point"].items()],
+            "mean_val_loss": best["mean_val_loss"], "points": points}
+
+
+def plan_from_tuning(tuning: str | Path, seeds: str | list, *, archs: str | list | None = None,
+                     tokens: int | None = None, data: str | None = None, overrides: list[str] | tuple | None = None,
+                     **rest) -> tuple[Plan, dict, list[str]]:
+    """The comparison study of a tuning study: each architecture at its chosen values (:func:`select`) on
+    ``seeds`` (disjoint from the tuning seeds). Tokens, data and --set overrides default to the tuning study's;
+    given values that differ are used, with a note saying so. ``rest``: make_plan's analyses, target, options.
+    Returns (plan, selection, notes)."""
+    tuned = open_study(tuning).plan
+    arch_list = list(tuned.archs) if archs is None else _split_list(archs, "architecture", "architectures")
+    selection = select(tuning, arch_list, parse_seeds(seeds))
+    notes = []
+    for what, mine, theirs in (("tokens per run", tokens, tuned.tokens), ("data", data, tuned.data),
+                               ("--set overrides", None if overrides is None else list(overrides),
+                                list(tuned.overrides))):
+        if mine is not None and mine != theirs:
+            notes.append(f"the comparison uses {what} {mine}; the values were tuned with {theirs}")
+    plan = make_plan(arch_list, seeds, tokens=tuned.tokens if tokens is None else tokens,
+                     data=tuned.data if data is None else data,
+                     overrides=tuned.overrides if overrides is None else overrides,
+                     arch_overrides={a: selection["archs"][a]["overrides"] for a in arch_list},
+                     tuned_from=str(tuning), **rest)
+    return plan, selection, notes
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,9 +426,10 @@ class Study:
 
 
 def new_manifest(plan: Plan) -> dict:
-    items = [{"name": f"{a}-s{s}", "arch": a, "seed": s, "run": f"{a}-s{s}", "status": "pending", "error": None,
+    items = [{"name": item_name(a, s, pt), "arch": a, "seed": s, "run": item_name(a, s, pt),
+              **({"point": pt} if pt else {}), "status": "pending", "error": None,
               "analyses": {n: {"status": "pending", "report": None, "error": None} for n in plan.analyses}}
-             for s in plan.seeds for a in plan.archs]
+             for s in plan.seeds for a in plan.archs for pt in grid_points(plan)]
     return {"schema_version": SCHEMA_VERSION, "kind": "cemtool-study", "created": now(), "updated": now(),
             "status": "running", "plan": plan.to_dict(), "items": items}
 
@@ -321,7 +519,7 @@ def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit
     from cemtool.train import finalize_model_config, train
 
     plan, path = study.plan, study.path / item["run"]
-    cfg = item_config(plan, item["arch"], item["seed"])
+    cfg = item_config(plan, item["arch"], item["seed"], item.get("point"))
     clear_partial_run(path)
     resume = is_run(path)
     if resume:
@@ -401,4 +599,5 @@ def _analyse(study: Study, item: dict, name: str, dev: torch.device, emit: Callb
     emit({"kind": "analysis", "analysis": name, "status": "completed", "error": None})
 
 
-__all__ = ["ANALYSES", "Plan", "Study", "item_config", "make_plan", "open_study", "run_sweep"]
+__all__ = ["ANALYSES", "Plan", "Study", "grid_points", "item_config", "make_plan", "open_study", "parse_grid",
+           "plan_from_tuning", "run_sweep", "select"]

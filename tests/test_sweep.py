@@ -185,3 +185,143 @@ def test_other_plan_in_existing_study_is_refused(interrupted):
     assert res.exit_code == 2
     with pytest.raises(CemtoolError, match="holds no study"):
         run_sweep(interrupted[0] / "baseline-s0")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# grids and the selection of tuned values
+
+TUNE = [s for s in TINY if not s.startswith("train.lr=")]  # the learning rate comes from the grid
+
+
+def test_grid_is_the_product_and_names_carry_the_point():
+    from cemtool.sweep import item_config, new_manifest
+
+    plan = make_plan("baseline,tmm", "0,1", tokens=TOKENS, overrides=TUNE,
+                     grid=["train.lr=1e-3,3e-2", "model.mlp=gelu,swiglu"])
+    items = new_manifest(plan)["items"]
+    assert len(items) == 2 * 2 * 2 * 2 and len({i["name"] for i in items}) == 16
+    first = items[0]
+    assert first["name"] == "baseline-lr=1e-3-mlp=gelu-s0"
+    assert first["point"] == {"train.lr": "1e-3", "model.mlp": "gelu"}
+    points = {(i["arch"], i["seed"], i["point"]["train.lr"], i["point"]["model.mlp"]) for i in items}
+    assert points == {(a, s, lr, m) for a in ("baseline", "tmm") for s in (0, 1) for lr in ("1e-3", "3e-2")
+                      for m in ("gelu", "swiglu")}
+    cfg = item_config(plan, "tmm", 1, {"train.lr": "3e-2", "model.mlp": "swiglu"})  # parsed like --set
+    assert cfg.train.lr == 0.03 and cfg.model.mlp == "swiglu" and cfg.seed == 1 and cfg.train.max_tokens == TOKENS
+
+
+@pytest.mark.parametrize("grid, extra, message", [
+    (["train.lr"], [], "is not of the form key=v1,v2"),
+    (["seed=1,2"], [], "use --seeds"),
+    (["train.max_tokens=100,200"], [], "use --tokens"),
+    (["train.lr=1e-3", "train.lr=3e-3"], [], "is given twice"),
+    (["train.lr=1e-3,0.001"], [], "'1e-3' and '0.001' are the same value"),
+    (["train.lr=1e-3,3e-3"], ["train.lr=1e-2"], "both in --set and in --grid"),
+    (["train.nope=1,2"], [], "unknown config key train.nope"),
+    (["train.lr=-1,1e-3"], [], "train.lr=-1"),
+])
+def test_bad_grid_one_line(grid, extra, message, tmp_path):
+    args = ["sweep", "--archs", "baseline", *[a for g in grid for a in ("--grid", g)],
+            *[a for s in [*TUNE, *extra] for a in ("--set", s)]]
+    res = runner.invoke(app(), [*args, "--out", str(tmp_path / "s"), "-q"])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
+    assert not (tmp_path / "s").exists()
+
+
+def fake_tuning(out: Path, losses: dict) -> Path:
+    """A finished tuning study written by hand: losses[(arch, lr, seed)] = final val loss, None for a failed run."""
+    from cemtool.sweep import open_study
+
+    plan = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=["train.lr=1e-3,3e-3,1e-2"])
+    study = open_study(out, plan)
+    for it in study.manifest["items"]:
+        loss = losses[(it["arch"], it["point"]["train.lr"], it["seed"])]
+        it.update(status="failed" if loss is None else "completed", val_loss=loss,
+                  error="non-finite loss" if loss is None else None)
+    study.manifest["status"] = "incomplete"
+    study.save()
+    return out
+
+
+LOSSES = {("baseline", "1e-3", 10): 3.0, ("baseline", "1e-3", 11): 2.0,    # mean 2.5
+          ("baseline", "3e-3", 10): 2.4, ("baseline", "3e-3", 11): 2.4,    # mean 2.4: chosen
+          ("baseline", "1e-2", 10): 1.0, ("baseline", "1e-2", 11): None,   # best single run, but one diverged
+          ("tmm", "1e-3", 10): 2.2, ("tmm", "1e-3", 11): 2.4,              # mean 2.3, tied with 1e-2: first wins
+          ("tmm", "3e-3", 10): 2.5, ("tmm", "3e-3", 11): 2.5,
+          ("tmm", "1e-2", 10): 2.4, ("tmm", "1e-2", 11): 2.2}
+
+
+def test_selection_takes_the_lowest_mean_over_tuning_seeds(tmp_path):
+    from cemtool.sweep import select
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    sel = select(out)
+    assert sel == json.loads((out / "selection.json").read_text())
+    assert sel["tuning_seeds"] == [10, 11] and sel["grid"] == ["train.lr=1e-3,3e-3,1e-2"]
+    base, tmm = sel["archs"]["baseline"], sel["archs"]["tmm"]
+    assert base["chosen"] == {"train.lr": "3e-3"} and base["overrides"] == ["train.lr=3e-3"]
+    assert base["mean_val_loss"] == pytest.approx(2.4)
+    means = [p["mean_val_loss"] for p in base["points"]]
+    assert means[0] == pytest.approx(2.5) and means[2] is None and base["points"][2]["failed"] == 1
+    assert tmm["chosen"] == {"train.lr": "1e-3"}                        # 2.3 == 2.3: the earlier grid point
+    assert [p["seeds"] for p in tmm["points"]] == [[10, 11]] * 3
+
+
+def test_selection_refuses_overlapping_seeds_unfinished_and_plain_studies(tmp_path):
+    from cemtool.sweep import open_study, select
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    with pytest.raises(CemtoolError, match="seed 11 tuned the values"):
+        select(out, final_seeds=[0, 11])
+    with pytest.raises(CemtoolError, match="did not tune 'lime'"):
+        select(out, archs=["lime"])
+    study = open_study(out)
+    study.manifest["items"][3]["status"] = "interrupted"
+    study.save()
+    with pytest.raises(CemtoolError, match="is not finished"):
+        select(out)
+    open_study(tmp_path / "plain", make_plan("baseline", "0", tokens=TOKENS, overrides=TINY)).save()
+    with pytest.raises(CemtoolError, match="planned without --grid"):
+        select(tmp_path / "plain")
+
+
+def test_tuned_dry_run_plans_each_arch_at_its_choice(tmp_path):
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    res = runner.invoke(app(), ["sweep", "--tuned", str(out), "--seeds", "0,1", "--out", str(tmp_path / "cmp"),
+                                "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "chosen" in res.stdout and "baseline-s1" in res.stdout and "train.lr=3e-3" in res.stdout
+    assert (out / "selection.json").exists() and not (tmp_path / "cmp").exists()
+    res = runner.invoke(app(), ["sweep", "--tuned", str(out), "--seeds", "0,10", "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 1 and "seed 10 tuned the values" in res.output
+
+
+def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):
+    """A real tuning sweep (2 learning rates) stopped by Ctrl-C in its second run and resumed, then the comparison
+    on another seed: one run per architecture, at the chosen learning rate."""
+    from cemtool.sweep import plan_from_tuning
+
+    tune = tmp_path / "tune"
+    plan = make_plan("baseline", "7", tokens=TOKENS // 2, overrides=TUNE, grid=["train.lr=1e-4,3e-3"])
+
+    def stop(ev):
+        if ev["item"] == "baseline-lr=3e-3-s7" and ev["kind"] == "step" and ev["step"] == 12:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(tune, plan, device="cpu", callback=stop)
+    first = snapshot(tune / "baseline-lr=1e-4-s7")
+    events: list[dict] = []
+    done = run_sweep(tune, plan, device="cpu", callback=events.append)
+    assert done["status"] == "completed" and snapshot(tune / "baseline-lr=1e-4-s7") == first
+    assert [(e["item"], e["step"]) for e in events if e["kind"] == "start"] == [("baseline-lr=3e-3-s7", 10)]
+    losses = {i["point"]["train.lr"]: i["val_loss"] for i in done["items"]}
+    best = min(losses, key=losses.get)
+    cmp_plan, sel, notes = plan_from_tuning(tune, "8")
+    assert sel["archs"]["baseline"]["chosen"] == {"train.lr": best} and notes == []
+    assert cmp_plan.arch_overrides == {"baseline": [f"train.lr={best}"]} and cmp_plan.tokens == TOKENS // 2
+    cmp = run_sweep(tmp_path / "cmp", cmp_plan, device="cpu")
+    assert [i["name"] for i in cmp["items"]] == ["baseline-s8"] and cmp["items"][0]["status"] == "completed"
+    cfg = json.loads((tmp_path / "cmp" / "baseline-s8" / "config.json").read_text())
+    assert cfg["train"]["lr"] == float(best) and cfg["seed"] == 8

@@ -1,4 +1,5 @@
-"""cemtool sweep: train architectures x seeds on the same tokens, analyse each, in one resumable study folder."""
+"""cemtool sweep: train architectures x seeds (x grid points) on the same tokens, analyse each, in one resumable
+study folder; pick each architecture's tuned values on a tuning study and compare at them on other seeds."""
 
 from __future__ import annotations
 
@@ -68,10 +69,38 @@ def print_study(manifest: dict, path: Path) -> None:
                      "" if it.get("flops_per_token") is None else f"{it['flops_per_token']:.3g}",
                      "" if it.get("total_flops") is None else f"{it['total_flops']:.3g}",
                      *[it["analyses"][n]["status"] for n in plan["analyses"]]])
-    console.table(f"study {path}: {len(plan['archs'])} architectures x {len(plan['seeds'])} seeds, "
+    points = len(manifest["items"]) // max(1, len(plan["archs"]) * len(plan["seeds"]))
+    grid = f" x {points} grid points" if plan.get("grid") else ""
+    console.table(f"study {path}: {len(plan['archs'])} architectures x {len(plan['seeds'])} seeds{grid}, "
                   f"{plan['tokens']:,} tokens each on {plan['data']}",
                   ["item", "status", "steps", "val loss", "params", "FLOPs/tok", "FLOPs", *plan["analyses"]], rows)
     console.result(f"study: {path / 'study.json'} ({manifest['status']}); compare with: cemtool compare {path}")
+
+
+def print_selection(selection: dict, tuning: Path) -> None:
+    """Every grid point of every architecture with its mean final validation loss; the chosen one marked."""
+    rows = []
+    for arch, a in selection["archs"].items():
+        for p in a["points"]:
+            point = " ".join(f"{k}={v}" for k, v in p["point"].items())
+            rows.append([arch, point, _fmt(p["mean_val_loss"]), _fmt(p["std_val_loss"]), len(p["seeds"]),
+                         p["failed"], "chosen" if p["point"] == a["chosen"] else ""])
+    console.table(f"selection on {tuning} (tuning seeds {','.join(map(str, selection['tuning_seeds']))}): "
+                  f"{selection['rule']}", ["arch", "point", "mean val loss", "std", "seeds", "failed", ""], rows)
+    console.result(f"selection: {tuning / 'selection.json'}")
+
+
+def print_plan(manifest: dict, path: Path) -> None:
+    """--dry-run: the runs the study would train, each with the overrides it adds to the plan's."""
+    from cemtool.sweep import Plan, item_overrides
+
+    plan = Plan.from_dict(manifest["plan"])
+    rows = [[it["name"], it["arch"], it["seed"],
+             " ".join(item_overrides(plan, it["arch"], it.get("point"))[len(plan.overrides):])]
+            for it in manifest["items"]]
+    console.table(f"plan for {path}: {plan.tokens:,} tokens per run on {plan.data}",
+                  ["run", "arch", "seed", "tuned / grid values"], rows)
+    console.result(f"dry run: {len(rows)} runs planned in {path}; nothing trained")
 
 
 @app.command()
@@ -83,8 +112,9 @@ def sweep(
     tokens: Annotated[Optional[int], typer.Option(help="training tokens of every run (sets train.max_tokens); "
                                                        "default what the first architecture's config trains on")]
     = None,
-    data: Annotated[str, typer.Option("--data", "-d", help="training data of every run: grammar (default), pydoc, "
-                                                           "or a .txt file / folder")] = "grammar",
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="training data of every run: grammar "
+                                                "(default; with --tuned the tuning study's), pydoc, or a .txt file "
+                                                "/ folder")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", "-s", help="config override for every run "
                                                       "(repeatable), e.g. model.d_model=64")] = None,
     analyses: Annotated[str, typer.Option(help="comma-separated analyses after training: sharpness, collapse, "
@@ -94,6 +124,15 @@ def sweep(
     option: Annotated[Optional[list[str]], typer.Option("--analysis-option", "-A", help="analysis.key=value for "
                                                         "an analysis (repeatable), e.g. sharpness.tokens=1024, "
                                                         "collapse.per_class=64, forgetting.steps=200")] = None,
+    grid: Annotated[Optional[list[str]], typer.Option("--grid", "-g", help="key=v1,v2,... trains every value of a "
+                                                      "config field, each parsed like --set (repeatable: the "
+                                                      "product of the grids), e.g. train.lr=1e-3,3e-3,1e-2")] = None,
+    tuned: Annotated[Optional[Path], typer.Option("--tuned", help="a finished --grid study: pick each "
+                                                  "architecture's best point there (lowest mean final val loss; "
+                                                  "written to its selection.json) and train at it on --seeds, "
+                                                  "which must differ from the tuning seeds")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the runs the study would train (and, with "
+                                                            "--tuned, write the selection); train nothing")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="the study directory (rerunning the same "
                                                 "command there continues it)")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="continue the study in this directory as it was planned")]
@@ -102,20 +141,29 @@ def sweep(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print study.json")] = False,
 ) -> None:
-    """Train every architecture x seed on the same number of tokens (reporting parameters, FLOPs/token and total
-    FLOPs), run the chosen analyses on each, and keep it all in one study directory with a study.json manifest.
-    Interrupted (Ctrl-C, a kill), it continues where it stopped when run again: completed runs and existing
-    reports are skipped, unfinished runs resume from their last checkpoint."""
+    """Train every architecture x seed (x grid point) on the same number of tokens (reporting parameters,
+    FLOPs/token and total FLOPs), run the chosen analyses on each, and keep it all in one study directory with a
+    study.json manifest. Interrupted (Ctrl-C, a kill), it continues where it stopped when run again: completed
+    runs and existing reports are skipped, unfinished runs resume from their last checkpoint.
+    Tuning: a --grid study on tuning seeds, then --tuned DIR on other seeds trains each architecture at its best
+    grid point."""
     from cemtool.config import merge, parse_override
-    from cemtool.sweep import make_plan, run_sweep
+    from cemtool.sweep import make_plan, new_manifest, plan_from_tuning, run_sweep
 
     if resume is not None:
-        if archs or seeds or tokens or set_ or analyses or to or option or out or data != "grammar":
+        if archs or seeds or tokens or set_ or analyses or to or option or out or grid or tuned or dry_run \
+                or data is not None:
             raise typer.BadParameter("--resume continues a study as planned; it takes no plan options",
                                      param_hint="--resume")
         plan, path = None, resume
     else:
-        if archs is None:
+        if tuned is not None and grid:
+            raise typer.BadParameter("--tuned trains at the values chosen on a grid study; it takes no --grid",
+                                     param_hint="--tuned")
+        if tuned is not None and seeds is None:
+            raise typer.BadParameter("give the comparison seeds, disjoint from the tuning seeds, e.g. --seeds 0,1,2",
+                                     param_hint="--seeds")
+        if archs is None and tuned is None:
             raise typer.BadParameter("give the architectures, e.g. --archs baseline,tmm,lime", param_hint="--archs")
         if out is None:
             raise typer.BadParameter("give the study directory, e.g. --out runs/study", param_hint="--out")
@@ -124,9 +172,24 @@ def sweep(
             if "." not in item.split("=", 1)[0]:
                 raise CemtoolError(f"--analysis-option {item!r} is not of the form analysis.key=value")
             options = merge(options, parse_override(item))
-        plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data, overrides=set_ or [],
-                         analyses=analyses, target=to, options=options)
+        if tuned is not None:  # tokens, data and --set default to the tuning study's
+            plan, selection, notes = plan_from_tuning(tuned, seeds, archs=archs, tokens=tokens,
+                                                      data=data, overrides=set_,
+                                                      analyses=analyses, target=to, options=options)
+            if not json_:
+                print_selection(selection, tuned)
+            for note in notes:
+                console.info(f"Note: {note}")
+        else:
+            plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data or "grammar",
+                             overrides=set_ or [], analyses=analyses, target=to, options=options, grid=grid or [])
         path = out
+        if dry_run:
+            if json_:
+                console.print_json(new_manifest(plan))
+            else:
+                print_plan(new_manifest(plan), path)
+            return
     with SweepReporter(quiet) as rep:
         manifest = run_sweep(path, plan, device=device, callback=rep)
     if json_:
