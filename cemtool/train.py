@@ -19,11 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cemtool.config import RunConfig, TrainConfig
-from cemtool.data.corpus import Corpus, batch_starts, windows
+from cemtool.config import ModelConfig, RunConfig, TrainConfig
+from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
 from cemtool.errors import CemtoolError
 from cemtool.models.lm import lm_loss
-from cemtool.models.registry import build_model
+from cemtool.models.registry import build_model, get_arch
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
 from cemtool.runs import Run, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 
@@ -77,6 +77,105 @@ def autocast_for(device: torch.device, precision: str):
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# memory: estimated from the config, checked before anything is allocated
+
+GIB = 1 << 30
+
+
+def count_params(m: ModelConfig) -> int:
+    """Exact parameter (and buffer) count of a model config: the model is built on the meta device, which
+    allocates nothing."""
+    spec = get_arch(m.arch)
+    with torch.device("meta"):
+        model = spec.build(m)
+    return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
+
+
+def rough_params(m: ModelConfig) -> int:
+    """A quick upper bound of the parameter count (no model built): generous per-layer and embedding terms that
+    cover every family's extras (tested against the exact count of every architecture)."""
+    from cemtool.models.allocation import layer_shapes
+    from cemtool.models.layers import mlp_hidden
+
+    d, h = m.d_model, mlp_hidden(m.d_model, m.mlp, m.mlp_hidden)
+    attn = sum(H * dh for H, dh in layer_shapes(m))  # summed over layers
+    return 4 * d * attn + m.n_layer * (3 * d * h + 4 * d * d + 64 * (d + h)) + 6 * m.vocab_size * d \
+        + 4 * m.max_seq_len * d
+
+
+def memory_estimate(m: ModelConfig, batch_size: int = 0, seq_len: int = 0, training: bool = False,
+                    params: int | None = None) -> dict:
+    """Bytes a model needs, from its config alone (fp32): weights; for training also gradients and AdamW's two
+    moments (16 bytes per parameter in all); and activations for a batch of ``batch_size`` x ``seq_len`` tokens.
+    Activations are an estimate: per token and layer about 10 d + 4 h + 2 H T floats are kept for the backward
+    pass (d width, h MLP width, H heads, T tokens: attention scores), times the recursive steps of CEM layers and
+    2 for the extra streams of momentum layers, plus 3 V floats per token for the logits; without training, the
+    largest of these tensors three times over. The one estimate that training, loading a run and analyses use.
+    ``params``: a parameter count to use instead of the exact one (:func:`count_params`)."""
+    from cemtool.models.allocation import layer_shapes
+    from cemtool.models.layers import mlp_hidden
+
+    params = count_params(m) if params is None else params
+    family = get_arch(m.arch).family
+    d, h, T = m.d_model, mlp_hidden(m.d_model, m.mlp, m.mlp_hidden), seq_len
+    heads = max(H for H, _ in layer_shapes(m))
+    repeat = m.cem.steps if family == "cem" else 2 if family == "momentum" else 1
+    per_layer = (10 * d + 4 * h + 2 * heads * T) * repeat  # floats per token
+    tokens = batch_size * seq_len
+    if training:
+        acts = 4 * tokens * (m.n_layer * per_layer + 3 * m.vocab_size)
+    else:
+        acts = 4 * tokens * 3 * max(per_layer, m.vocab_size)
+    weights = 4 * params
+    state = 12 * params if training else 0
+    return {"params": params, "weights": weights, "grads_and_optimizer": state, "activations": acts,
+            "total": weights + state + acts}
+
+
+def available_memory(device: str | torch.device) -> int | None:
+    """Free bytes on the device (CUDA: free memory; MPS: the recommended limit less what is allocated; CPU: the
+    kernel's MemAvailable), or None if unknown."""
+    dev = torch.device(device)
+    try:
+        if dev.type == "cuda":
+            return int(torch.cuda.mem_get_info(dev)[0])
+        if dev.type == "mps":
+            return int(torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory())
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError, RuntimeError):
+        return None
+
+
+def check_memory(m: ModelConfig, device: str | torch.device = "cpu", *, batch_size: int = 0, seq_len: int = 0,
+                 training: bool = False, what: str | None = None) -> dict | None:
+    """Refuse, with the estimate and the available memory, a model (and batch) that cannot fit on ``device``,
+    before anything is allocated. Returns the exact estimate when it was needed (near the limit), else None.
+    CEMTOOL_NO_MEMORY_CHECK=1 skips the check (the estimate may be pessimistic)."""
+    avail = available_memory(device)
+    if avail is None or os.environ.get("CEMTOOL_NO_MEMORY_CHECK", "") not in ("", "0"):
+        return None
+    if 2 * memory_estimate(m, batch_size, seq_len, training, params=rough_params(m))["total"] <= avail:
+        return None  # far from the limit: the exact count (a model built on the meta device) is not needed
+    est = memory_estimate(m, batch_size, seq_len, training)
+    if est["total"] <= avail:
+        return est
+    parts = f"{est['params']:,} parameters: weights {est['weights'] / GIB:.2f} GiB"
+    if training:
+        parts += f", gradients and AdamW state {est['grads_and_optimizer'] / GIB:.2f} GiB"
+    if batch_size:
+        parts += f", activations for {batch_size} x {seq_len} tokens {est['activations'] / GIB:.2f} GiB"
+    raise CemtoolError(f"{what or ('training' if training else 'the model')} {m.arch} (d_model={m.d_model}, "
+                       f"n_layer={m.n_layer}, vocab {m.vocab_size}) needs about {est['total'] / GIB:.2f} GiB "
+                       f"({parts}) but {avail / GIB:.2f} GiB are available on {torch.device(device)}",
+                       hint="shrink the model, train.batch_size or data.seq_len (set CEMTOOL_NO_MEMORY_CHECK=1 to "
+                            "try anyway)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -143,6 +242,7 @@ class TrainResult:
     val_loss: float | None
     val_floor: float | None
     seconds: float
+    val_bpb: float | None = None
 
 
 class NonFiniteLoss(CemtoolError):
@@ -156,13 +256,19 @@ def _emit(cb: Callback | None, **event) -> None:
 
 def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torch.device | None = None,
           resume: bool = False, callback: Callback | None = None, stop_after: int | None = None,
-          init_weights: dict[str, torch.Tensor] | None = None) -> TrainResult:
+          init_weights: dict[str, torch.Tensor] | None = None, allow_data_change: bool = False) -> TrainResult:
     """Train ``cfg`` on ``corpus``, writing into ``run`` (rank 0 only; None writes nothing).
 
     resume: continue from the run's newest step checkpoint. stop_after: stop (as if killed) after that many
     optimizer steps of this call; used by tests. init_weights: start from these weights (a state dict, e.g. a
     checkpoint's, for fine-tuning) instead of a fresh initialisation; a resumed step checkpoint overrides them.
-    Events passed to ``callback``: start, step, eval, checkpoint, end.
+    allow_data_change: resume even though the corpus hash differs from the one the run started with.
+    Events passed to ``callback``: start, step, eval, checkpoint, end (and note).
+
+    Evaluations (step 0, every ``eval_every`` steps and the last) write val_loss (nats/token), val_bpb (bits per
+    byte, with the run's ``bytes_per_token`` in meta.json) and val_ppl; every row has ``epochs`` (training tokens
+    consumed / tokens in the training split). A checkpoint is written only for weights (and optimizer state) that
+    are finite and give a finite loss on the next batch, so that a resume never starts from broken weights.
     """
     tc, T = cfg.train, cfg.data.seq_len
     dev = device if isinstance(device, torch.device) else pick_device(device)
@@ -172,6 +278,9 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     if tc.batch_size % dd.world:
         raise CemtoolError(f"train.batch_size={tc.batch_size} is not divisible by the {dd.world} processes")
     writer = run if dd.main else None
+    if resume and run is not None:
+        check_data_unchanged(run.meta(), corpus, allow_data_change)
+    check_memory(cfg.model, dev, batch_size=tc.batch_size // dd.world, seq_len=T, training=True)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model).to(dev)
     if init_weights is not None:
@@ -193,11 +302,29 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
         fwd = DDP(fwd, device_ids=[dev.index] if dev.type == "cuda" else None)
     eval_starts = corpus.eval_windows(T, tc.eval_tokens)
     floor = corpus.floor(eval_starts, T)
+    bytes_per_token = corpus.bytes_per_token(eval_starts, T)
+    epoch_tokens = len(corpus.train)
+    if writer is not None:
+        writer.update_meta(bytes_per_token=bytes_per_token, epoch_tokens=epoch_tokens)
     params = model.num_params()
     per_rank = tc.batch_size // dd.world
     tokens_per_step = tc.batch_size * tc.grad_accum * T
     _emit(callback, kind="start", step=step, total=steps_total, params=params, device=str(dev),
-          world=dd.world, floor=floor, entropy_rate=corpus.entropy_rate, eval_tokens=len(eval_starts) * T)
+          world=dd.world, floor=floor, entropy_rate=corpus.entropy_rate, eval_tokens=len(eval_starts) * T,
+          bytes_per_token=bytes_per_token)
+
+    def eval_row(step: int, tokens: int) -> float:
+        val = evaluate(model, corpus, eval_starts, T, dev, precision=tc.precision)
+        if not math.isfinite(val):
+            raise NonFiniteLoss(f"validation loss became {val} at step {step}",
+                                hint="lower train.lr or raise train.warmup_steps; the last good checkpoint is kept")
+        row = {"step": step, "tokens": tokens, "epochs": tokens / epoch_tokens, "val_loss": val,
+               "val_bpb": bits_per_byte(val, bytes_per_token), "val_ppl": perplexity(val), "val_floor": floor,
+               "val_gap": None if floor is None else val - floor, "elapsed_s": time.perf_counter() - t0}
+        if writer is not None:
+            writer.append_metrics(row)
+        _emit(callback, kind="eval", **row)
+        return val
 
     t0 = time.perf_counter()
     t_log, tok_log = t0, 0
@@ -206,6 +333,11 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     done_here = 0
     model.train()
     try:
+        # the untrained model, where every curve starts; unless the run has it already (a resume before the first
+        # checkpoint, or a caller that measured it, as forgetting does)
+        if step == 0 and not (writer is not None and any(r.get("step") == 0 and "val_loss" in r
+                                                         for r in writer.metrics())):
+            val_loss = eval_row(0, 0)
         while step < steps_total:
             lr = lr_at(step, steps_total, tc)
             for g in opt.param_groups:
@@ -241,7 +373,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             tok_log += tokens_per_step
             now = time.perf_counter()
             if step % tc.log_every == 0 or step == steps_total:
-                row = {"step": step, "tokens": tokens_seen, "train_loss": loss_value, "lr": lr,
+                row = {"step": step, "tokens": tokens_seen, "epochs": tokens_seen / epoch_tokens,
+                       "train_loss": loss_value, "lr": lr,
                        "grad_norm": float(gnorm), "tokens_per_s": tok_log / max(now - t_log, 1e-9),
                        "elapsed_s": now - t0}
                 t_log, tok_log = now, 0
@@ -250,16 +383,14 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
                   tokens=tokens_seen)
             if step % tc.eval_every == 0 or step == steps_total:
-                val_loss = evaluate(model, corpus, eval_starts, T, dev, precision=tc.precision)
-                row = {"step": step, "tokens": tokens_seen, "val_loss": val_loss, "val_floor": floor,
-                       "val_gap": None if floor is None else val_loss - floor, "elapsed_s": time.perf_counter() - t0}
-                if writer is not None:
-                    writer.append_metrics(row)
-                _emit(callback, kind="eval", **row)
+                val_loss = eval_row(step, tokens_seen)
             ckpt_every = tc.ckpt_every or tc.eval_every
-            if writer is not None and (step % ckpt_every == 0) and step < steps_total:
-                _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints)
-                _emit(callback, kind="checkpoint", step=step)
+            if step % ckpt_every == 0 and step < steps_total:
+                x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
+                check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)  # every rank: all stop alike
+                if writer is not None:
+                    _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints)
+                    _emit(callback, kind="checkpoint", step=step)
             if stop_after is not None and done_here >= stop_after and step < steps_total:
                 status = "interrupted"
                 break
@@ -283,13 +414,51 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     seconds = time.perf_counter() - t0
     if writer is not None:
         if status == "completed":
+            if not _finite(model.parameters()):
+                writer.update_meta(status="failed", ended=_now(), step=step, error="non-finite weights")
+                raise NonFiniteLoss(f"the weights became non-finite at step {step}; no final checkpoint written")
             save_checkpoint(writer, "final", model, step=step, optimizer=None,
                             state={"tokens": tokens_seen, "val_loss": val_loss})
         writer.update_meta(status=status, ended=_now(), step=step, tokens=tokens_seen, val_loss=val_loss,
-                           val_floor=floor, entropy_rate=corpus.entropy_rate, params=params,
-                           train_seconds=seconds, world_size=dd.world)
+                           val_bpb=bits_per_byte(val_loss, bytes_per_token), val_ppl=perplexity(val_loss),
+                           epochs=tokens_seen / epoch_tokens, val_floor=floor, entropy_rate=corpus.entropy_rate,
+                           params=params, train_seconds=seconds, world_size=dd.world)
     _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
-    return TrainResult(status, step, tokens_seen, val_loss, floor, seconds)
+    return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token))
+
+
+def _finite(tensors) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+@torch.no_grad()
+def check_weights(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, step: int,
+                  precision: str = "auto") -> None:
+    """Refuse (NonFiniteLoss) to checkpoint weights or optimizer state holding nan/inf, or weights whose loss on
+    the next batch (x, y) is not finite: the first thing a resume would compute. Checked before every step
+    checkpoint: an optimizer step can break the weights after the loss that preceded it was fine."""
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    if not _finite(model.parameters()) or not _finite(state):
+        raise NonFiniteLoss(f"the weights became non-finite at step {step}",
+                            hint="lower train.lr or raise train.warmup_steps; the last good checkpoint is kept")
+    was = model.training
+    model.eval()
+    with autocast_for(x.device, precision):
+        loss = float(lm_loss(model(x), y))
+    model.train(was)
+    if not math.isfinite(loss):
+        raise NonFiniteLoss(f"the weights of step {step} give a {loss} loss",
+                            hint="lower train.lr or raise train.warmup_steps; the last good checkpoint is kept")
+
+
+def check_data_unchanged(meta: dict, corpus: Corpus, allow: bool = False) -> None:
+    """Refuse to resume a run whose data files changed since it started (their hash is in meta.json)."""
+    then = (meta.get("corpus") or {}).get("sha256")
+    now = corpus.info.get("sha256")
+    if then and now and then != now and not allow:
+        raise CemtoolError(f"the data of this run changed since it started ({corpus.info.get('source')}: corpus "
+                           f"hash {now[:12]}, was {then[:12]})",
+                           hint="restore the files, or pass --allow-data-change to resume on the new data")
 
 
 def _now() -> str:

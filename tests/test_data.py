@@ -125,3 +125,97 @@ def test_aligned_windows_start_at_sentence_starts():
     assert np.all(b % 10 == 0) and b.max() <= 1000 - 17
     ev = c.eval_windows(16, 200)
     assert np.all(ev % 10 == 0) and np.all(np.diff(ev) >= 17)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# issue 10: the split is made in the text and BPE sees the training text only; bytes per token; corpus hash;
+# broken symbolic links
+
+
+def test_bpe_is_trained_on_the_training_split_only(tmp_path, monkeypatch):
+    """issue 10 item 3: the BPE tokenizer also saw the validation text. The held-out tail here is made of a letter
+    that the training text never uses: no merge may contain it."""
+    monkeypatch.setenv("CEMTOOL_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "t.txt"
+    p.write_text("the cat sat on the mat. " * 400 + "QQQQ QQQQ QQQQ. " * 60)  # 9600 + 960 bytes
+    c = load_corpus(DataConfig(source=str(p), tokenizer="bpe", bpe_vocab_size=300, seq_len=8, val_fraction=0.1))
+    learned = [t for t, i in c.tokenizer.hf.get_vocab().items() if i >= 256]
+    assert learned and not [t for t in learned if "Q" in t]
+    # the split is in the text: the training tokens decode to the first 90% of the bytes, validation to the rest
+    raw = p.read_bytes()
+    cut = len(raw) - round(0.1 * len(raw))
+    assert c.tokenizer.decode(c.train.tolist()).encode() == raw[:cut]
+    assert c.tokenizer.decode(c.val.tolist()).encode() == raw[cut:]
+    assert c.info["train_bytes"] == cut and c.info["val_bytes"] == len(raw) - cut
+
+
+def test_split_moves_to_a_character_boundary(tmp_path, monkeypatch):
+    monkeypatch.setenv("CEMTOOL_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "u.txt"
+    p.write_text("東京" * 100)  # 3-byte characters: a byte cut almost never falls on a boundary
+    for frac in (0.05, 0.1, 0.33):
+        c = load_corpus(DataConfig(source=str(p), tokenizer="byte", seq_len=4, val_fraction=frac))
+        train, val = (bytes(np.asarray(a, dtype=np.uint8)) for a in (c.train, c.val))
+        assert train.decode("utf-8") + val.decode("utf-8") == "東京" * 100  # each split is whole characters
+        assert 0 <= len(train) - (600 - round(600 * frac)) <= 2  # the cut moved forward to the next boundary
+
+
+def test_bytes_per_token_is_the_bytes_of_the_decoded_targets(tmp_path, monkeypatch, text_file):
+    """val_bpb rests on Corpus.bytes_per_token: check it against decoded text (the ground truth) for BPE, bytes and
+    the grammar's words (a word counts its bytes and one separating space)."""
+    monkeypatch.setenv("CEMTOOL_CACHE", str(tmp_path / "cache"))
+    bpe = load_corpus(DataConfig(source=text_file, tokenizer="bpe", bpe_vocab_size=300, seq_len=16))
+    starts = bpe.eval_windows(16, 512)
+    truth = sum(len(bpe.tokenizer.decode(bpe.val[s + 1:s + 17].tolist()).encode()) for s in starts)
+    assert bpe.bytes_per_token(starts, 16) == pytest.approx(truth / (16 * len(starts)))
+    assert bpe.bytes_per_token(starts, 16) > 1.5  # BPE merges bytes
+    byte = load_corpus(DataConfig(source=text_file, tokenizer="byte", seq_len=16))
+    assert byte.bytes_per_token(byte.eval_windows(16, 512), 16) == 1.0
+    g = load_corpus(DataConfig(seq_len=16, train_tokens=5000, val_tokens=2000))
+    starts = g.eval_windows(16, 512)
+    words = [g.tokenizer.decode(g.val[s + 1:s + 17].tolist()) for s in starts]  # words joined by single spaces
+    truth = sum(len(w.encode()) + 1 for w in words) / (16 * len(starts))
+    assert g.bytes_per_token(starts, 16) == pytest.approx(truth)
+
+
+def test_bits_per_byte_and_perplexity():
+    import math
+
+    from cemtool.data.corpus import bits_per_byte, perplexity
+
+    assert bits_per_byte(math.log(2) * 3, 1.5) == pytest.approx(2.0)
+    assert bits_per_byte(1.0, None) is None and bits_per_byte(None, 2.0) is None
+    assert bits_per_byte(float("nan"), 2.0) is None
+    assert perplexity(math.log(7)) == pytest.approx(7) and perplexity(1e4) is None
+
+
+def test_corpus_hash_follows_the_bytes(tmp_path, monkeypatch):
+    """The corpus hash (stored in the run, checked on resume) and the token cache follow the files' bytes: a file
+    rewritten with the same size and modification time is seen (the old cache was keyed by size and mtime)."""
+    import os
+
+    monkeypatch.setenv("CEMTOOL_CACHE", str(tmp_path / "cache"))
+    p = tmp_path / "t.txt"
+    p.write_text("alpha beta gamma\n" * 100)
+    cfg = DataConfig(source=str(p), tokenizer="byte", seq_len=8)
+    a = load_corpus(cfg)
+    st = p.stat()
+    p.write_text("alpha BETA gamma\n" * 100)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    b = load_corpus(cfg)
+    assert a.info["sha256"] != b.info["sha256"]
+    assert bytes(np.asarray(b.train[:16], dtype=np.uint8)) == b"alpha BETA gamma"
+    assert load_corpus(cfg).info["sha256"] == b.info["sha256"]  # deterministic
+
+
+def test_broken_symlink_in_data_folder_is_one_line(tmp_path):
+    """issue 10 item 13: a dangling *.txt symlink in a data folder was an internal error (FileNotFoundError)."""
+    d = tmp_path / "folder"
+    d.mkdir()
+    (d / "a.txt").write_text("alpha " * 50)
+    (d / "b.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(CemtoolError, match=r"b\.txt .* is a broken symbolic link") as e:
+        load_corpus(DataConfig(source=str(d), tokenizer="byte", seq_len=8))
+    assert "\n" not in str(e.value)
+    with pytest.raises(CemtoolError, match="broken symbolic link"):
+        load_corpus(DataConfig(source=str(d / "b.txt"), tokenizer="byte", seq_len=8))

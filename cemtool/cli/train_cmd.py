@@ -64,7 +64,9 @@ class ProgressReporter:
         elif kind == "eval":
             gap = f"  gap {ev['val_gap']:+.4f}" if ev.get("val_gap") is not None else ""
             floor = f"  floor {ev['val_floor']:.4f}" if ev.get("val_floor") is not None else ""
-            self.bar.console.print(f"step {ev['step']:>6}  val {ev['val_loss']:.4f}{floor}{gap}", markup=False)
+            bpb = f"  ({ev['val_bpb']:.4f} bits/byte)" if ev.get("val_bpb") is not None else ""
+            self.bar.console.print(f"step {ev['step']:>6}  val {ev['val_loss']:.4f}{bpb}{floor}{gap}  "
+                                   f"epoch {ev['epochs']:.3g}", markup=False)
 
 
 def default_out(arch: str, seed: int) -> Path:
@@ -108,6 +110,8 @@ def train(
                                                          "the non-embedding parameters of an arch or run")] = None,
     match_flops: Annotated[Optional[str], typer.Option(help="resize to the training FLOPs/token of an arch or run")]
     = None,
+    allow_data_change: Annotated[bool, typer.Option(help="with --resume: continue even though the run's data files "
+                                                    "changed since it started")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
@@ -122,6 +126,8 @@ def train(
     rank = int(os.environ.get("RANK", "0"))
     quiet = quiet or rank != 0
     dev = pick_device(device)
+    if allow_data_change and resume is None:
+        raise typer.BadParameter("only applies with --resume", param_hint="--allow-data-change")
     if resume is not None:
         if arch or data or config or set_ or seed is not None or out or force or match_params or match_flops:
             raise typer.BadParameter("--resume continues a run as configured; it takes no other config options",
@@ -155,18 +161,20 @@ def train(
         writer = None
         if rank == 0:
             writer = create_run(out, cfg, force=force, argv=sys.argv, device=str(dev),
-                                extra_meta={"corpus": corpus.info, "world_size": world}, tokenizer=corpus.tokenizer)
+                                extra_meta={"corpus": corpus.info, "world_size": world,
+                                            "config_files": [str(c) for c in config or []]}, tokenizer=corpus.tokenizer)
             console.info(f"run directory: {writer.path}", quiet)
     try:
         with ProgressReporter(quiet) as rep:
-            res = train_loop(cfg, corpus, writer, device=dev, resume=resume is not None, callback=rep)
+            res = train_loop(cfg, corpus, writer, device=dev, resume=resume is not None, callback=rep,
+                             allow_data_change=allow_data_change)
     finally:
         if writer is not None:
             writer.unlock()
     if rank != 0:
         return
     summary = {"run": str(writer.path), "status": res.status, "step": res.step, "tokens": res.tokens,
-               "val_loss": res.val_loss, "val_floor": res.val_floor,
+               "val_loss": res.val_loss, "val_bpb": res.val_bpb, "val_floor": res.val_floor,
                "gap": None if res.val_floor is None or res.val_loss is None else res.val_loss - res.val_floor,
                "seconds": round(res.seconds, 2)}
     if json_:
@@ -174,6 +182,7 @@ def train(
     else:
         gap = f", floor {res.val_floor:.4f}, gap {summary['gap']:+.4f}" if res.val_floor is not None else ""
         vl = f"{res.val_loss:.4f}" if res.val_loss is not None else "n/a"
+        vl += f" ({res.val_bpb:.4f} bits/byte)" if res.val_bpb is not None else ""
         console.result(f"{res.status}: {writer.path}  step {res.step}  val loss {vl}{gap}  "
                        f"({res.seconds:.1f} s)")
     if res.status == "interrupted":

@@ -16,6 +16,7 @@ per-token conditional entropy the true floor of the loss (no window starts mid-s
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -70,12 +71,47 @@ class Corpus:
             raise CemtoolError(f"the validation split is too small for windows of {seq_len} tokens")
         return starts[:n].astype(np.int64)
 
+    def bytes_per_token(self, starts: np.ndarray, seq_len: int) -> float | None:
+        """Mean UTF-8 bytes per target token of these validation windows (what turns their loss into bits per
+        byte). A token's bytes are those it decodes to; for word-level vocabularies (grammar, ngram) a word counts
+        its bytes plus one separator, the convention of their decoded text (words joined by single spaces).
+        None for a tokenizer of bare ids (token files without a tokenizer), whose bytes are unknown."""
+        idx = starts[:, None] + 1 + np.arange(seq_len)[None, :]  # (n, T) target positions
+        targets = np.asarray(self.val[idx])  # (n, T)
+        table = self.tokenizer.token_bytes()
+        if table is not None:
+            return float(table[targets].mean())
+        if self.tokenizer.kind == "ids":
+            return None
+        return sum(len(self.tokenizer.decode(row.tolist()).encode("utf-8")) for row in targets) / targets.size
+
     def floor(self, starts: np.ndarray, seq_len: int) -> float | None:
         """Exact mean -log p of the target tokens of the given validation windows (the loss no model can beat)."""
         if self.val_nll is None:
             return None
         idx = starts[:, None] + 1 + np.arange(seq_len)[None, :]  # (n, T) target positions
         return float(self.val_nll[idx].mean())
+
+
+def bits_per_byte(nats_per_token: float | None, bytes_per_token: float | None) -> float | None:
+    """A loss in nats per token as bits per byte of text: comparable across tokenizers. None if either is unknown."""
+    if nats_per_token is None or not bytes_per_token or not math.isfinite(nats_per_token):
+        return None
+    return nats_per_token / (math.log(2) * bytes_per_token)
+
+
+def run_bits_per_byte(run, nats_per_token: float | None) -> float | None:
+    """Bits per byte of a loss measured on a run's validation text; ``run``: a Run or its meta.json dict, whose
+    ``bytes_per_token`` training wrote (None for runs from before it did)."""
+    meta = run if isinstance(run, dict) else run.meta()
+    return bits_per_byte(nats_per_token, meta.get("bytes_per_token"))
+
+
+def perplexity(nats_per_token: float | None) -> float | None:
+    """exp(loss); None when unknown or too large to be a finite number."""
+    if nats_per_token is None or not math.isfinite(nats_per_token) or nats_per_token > 700:
+        return None
+    return math.exp(nats_per_token)
 
 
 def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,13 +208,16 @@ def _text_tokenizer(cfg: DataConfig, chunks: Callable[[], Iterator[str]], tokeni
 
 
 def _pydoc(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
-    text = _pydoc_text()
+    """Split in the text like a text corpus (the last val_fraction of the bytes); BPE sees the training text only."""
+    raw = _pydoc_text().encode("utf-8")
+    pieces = dict(split_text(iter([raw.decode("utf-8")]), val_cut(len(raw), cfg.val_fraction)))
+    text = pieces.get("train", "")
     tok = _text_tokenizer(cfg, lambda: iter([text[i:i + CHUNK_BYTES] for i in range(0, len(text), CHUNK_BYTES)]),
                           tokenizer)
-    ids = np.asarray(tok.encode(text), dtype=np.uint16 if tok.vocab_size <= 65535 else np.int32)
-    train, val = _split(ids, cfg.val_fraction)
-    info = {"source": "pydoc", "characters": len(text), "tokens": int(len(ids)), "tokenizer": tok.kind,
-            "vocab_size": tok.vocab_size}
+    dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
+    train, val = (np.asarray(tok.encode(pieces.get(split, "")), dtype=dtype) for split in ("train", "val"))
+    info = {"source": "pydoc", "bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest(),
+            "tokens": int(len(train) + len(val)), "tokenizer": tok.kind, "vocab_size": tok.vocab_size}
     return Corpus("pydoc", tok, train, val, info=info)
 
 
@@ -192,25 +231,41 @@ register_source("pydoc", _pydoc)
 
 
 def text_files(source: str) -> list[Path]:
+    """The .txt files of a source (a file, or a folder searched recursively, in sorted order). A broken symbolic
+    link or anything that is not a regular file is refused with one line (nothing is skipped silently)."""
     p = Path(source).expanduser()
     if not p.exists():
-        raise CemtoolError(f"data source {source!r} is neither a built-in source ({', '.join(sources())}) "
-                           f"nor an existing file or folder")
+        kind = "a broken symbolic link" if p.is_symlink() else "neither a built-in source " \
+            f"({', '.join(sources())}) nor an existing file or folder"
+        raise CemtoolError(f"data source {source!r} is {kind}")
     files = sorted(p.rglob("*.txt")) if p.is_dir() else [p]
+    for f in files:
+        if f.is_symlink() and not f.exists():
+            raise CemtoolError(f"{f} in data folder {p} is a broken symbolic link (to {os.readlink(f)})",
+                               hint="remove it or restore its target")
+        if not f.is_file():
+            raise CemtoolError(f"{f} in data folder {p} is not a regular file", hint="remove or rename it")
     if not files:
         raise CemtoolError(f"folder {p} holds no .txt files")
     return files
 
 
-def iter_text(files: list[Path]) -> Iterator[str]:
-    """Stream the files as UTF-8 text chunks (about 1 MiB, cut at line ends); reject binary and non-UTF-8."""
+def iter_text(files: list[Path], hasher=None) -> Iterator[str]:
+    """Stream the files as UTF-8 text chunks (about 1 MiB, cut at line ends); reject binary and non-UTF-8.
+    ``hasher`` (a hashlib object), if given, is fed every raw byte read."""
     for f in files:
-        with open(f, "rb") as fh:
+        try:
+            fh = open(f, "rb")
+        except OSError as e:
+            raise CemtoolError(f"cannot read {f}: {e.strerror}") from None
+        with fh:
             offset, carry = 0, b""
             while True:
                 raw = fh.read(CHUNK_BYTES)
                 if not raw:
                     break
+                if hasher is not None:
+                    hasher.update(raw)
                 if b"\x00" in raw:
                     at = offset + len(carry) + raw.index(b"\x00")
                     raise CemtoolError(f"{f} looks binary (NUL byte at offset {at})", hint="give a UTF-8 text file")
@@ -232,6 +287,44 @@ def iter_text(files: list[Path]) -> Iterator[str]:
                     raise CemtoolError(f"{f} is not UTF-8 text (invalid byte at offset {offset + e.start})") from None
 
 
+def corpus_hash(files: list[Path], root: Path) -> str:
+    """SHA-256 of the corpus as training reads it: each file's name (relative to the source), size and bytes, in
+    order. Also validates every file (UTF-8, no NUL bytes) in the same streaming pass."""
+    h = hashlib.sha256()
+    for f in files:
+        name = f.relative_to(root).as_posix() if root.is_dir() else f.name
+        h.update(f"{name}\0{f.stat().st_size}\0".encode())
+        for _ in iter_text([f], hasher=h):
+            pass
+    return h.hexdigest()
+
+
+def split_text(chunks: Iterator[str], cut: int) -> Iterator[tuple[str, str]]:
+    """("train" | "val", text) pieces of a chunk stream: the first ``cut`` bytes (moved forward to the next
+    character boundary) are training text, the rest validation text."""
+    offset = 0
+    for chunk in chunks:
+        raw = chunk.encode("utf-8")
+        if offset + len(raw) <= cut:
+            yield "train", chunk
+        elif offset >= cut:
+            yield "val", chunk
+        else:
+            k = cut - offset
+            while k < len(raw) and (raw[k] & 0xC0) == 0x80:  # a UTF-8 continuation byte: not a boundary
+                k += 1
+            if k:
+                yield "train", raw[:k].decode("utf-8")
+            if k < len(raw):
+                yield "val", raw[k:].decode("utf-8")
+        offset += len(raw)
+
+
+def val_cut(n_bytes: int, frac: float) -> int:
+    """Bytes of training text: the last ``frac`` of the text (at least one byte) is held out."""
+    return n_bytes - max(1, int(round(n_bytes * frac)))
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("CEMTOOL_CACHE", Path.home() / ".cache" / "cemtool"))
     d.mkdir(parents=True, exist_ok=True)
@@ -239,38 +332,51 @@ def cache_dir() -> Path:
 
 
 def text_corpus(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
+    """A text file or folder. The split is made in the text, before tokenizing: the last ``val_fraction`` of the
+    bytes (cut at a character boundary) is validation, and a BPE tokenizer is trained on the training text only.
+    Each split is tokenized once into a memory-mapped cache keyed by the corpus hash, split and tokenizer."""
     files = text_files(cfg.source)
+    root = Path(cfg.source).expanduser()
     sizes = [f.stat().st_size for f in files]
     if sum(sizes) == 0:
         raise CemtoolError(f"data source {cfg.source} is empty")
-    for f in files:  # validate everything before training a tokenizer on it
-        for _ in iter_text([f]):
-            pass
-    tok = _text_tokenizer(cfg, lambda: iter_text(files), tokenizer)
+    digest = corpus_hash(files, root)  # validates everything before a tokenizer is trained on it
+    cut = val_cut(sum(sizes), cfg.val_fraction)
+    tok = _text_tokenizer(cfg, lambda: (t for split, t in split_text(iter_text(files), cut) if split == "train"),
+                          tokenizer)
     dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
-    key = hashlib.sha256()
-    for f, s in zip(files, sizes, strict=False):
-        key.update(f"{f.resolve()}|{s}|{f.stat().st_mtime_ns}".encode())
-    key.update(tok.to_json().encode())
-    path = cache_dir() / f"tokens-{key.hexdigest()[:24]}.bin"
-    if not path.exists():
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        n = 0
-        with open(tmp, "wb") as out:
-            for chunk in iter_text(files):
-                ids = np.asarray(tok.encode(chunk), dtype=dtype)
-                out.write(ids.tobytes())
-                n += len(ids)
-        os.replace(tmp, path)
-    ids = np.memmap(path, dtype=dtype, mode="r")
-    if len(ids) < 2:
+    key = hashlib.sha256(f"{digest}|{cut}|".encode() + tok.to_json().encode()).hexdigest()[:24]
+    paths = {split: cache_dir() / f"tokens-{key}.{split}.bin" for split in ("train", "val")}
+    if not all(p.exists() for p in paths.values()):
+        tmps = {split: p.with_suffix(f".tmp{os.getpid()}") for split, p in paths.items()}
+        try:
+            with open(tmps["train"], "wb") as out_train, open(tmps["val"], "wb") as out_val:
+                outs = {"train": out_train, "val": out_val}
+                for split, text in split_text(iter_text(files), cut):
+                    outs[split].write(np.asarray(tok.encode(text), dtype=dtype).tobytes())
+        except BaseException:
+            for t in tmps.values():
+                t.unlink(missing_ok=True)
+            raise
+        for split in ("val", "train"):
+            os.replace(tmps[split], paths[split])
+    train, val = (_memmap(paths[split], dtype) for split in ("train", "val"))
+    if len(train) + len(val) < 2:
         raise CemtoolError(f"data source {cfg.source} holds fewer than 2 tokens")
-    train, val = _split(ids, cfg.val_fraction)
-    info = {"source": str(Path(cfg.source).resolve()), "files": len(files), "bytes": int(sum(sizes)),
-            "tokens": int(len(ids)), "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "cache": str(path)}
+    info = {"source": str(root.resolve()), "files": len(files), "bytes": int(sum(sizes)), "sha256": digest,
+            "train_bytes": cut, "val_bytes": int(sum(sizes)) - cut, "tokens": int(len(train) + len(val)),
+            "tokenizer": tok.kind, "vocab_size": tok.vocab_size, "cache": str(paths["train"])}
     return Corpus(Path(cfg.source).name, tok, train, val, info=info)
 
 
-__all__ = ["Corpus", "batch_starts", "load_corpus", "load_tokenizer", "register_source", "sources", "windows"]
+def _memmap(path: Path, dtype) -> np.ndarray:
+    """A read-only memory map of a token file (an empty file gives an empty array: np.memmap refuses those)."""
+    if path.stat().st_size == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+__all__ = ["Corpus", "batch_starts", "bits_per_byte", "load_corpus", "load_tokenizer", "perplexity",
+           "register_source", "run_bits_per_byte", "sources", "windows"]
 
 import cemtool.data.synthetic  # noqa: E402,F401  (registers the "ngram" source)

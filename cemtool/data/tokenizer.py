@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -22,6 +23,7 @@ class Tokenizer:
     def __init__(self, hf: HFTokenizer, kind: str):
         self.hf = hf
         self.kind = kind  # "word" | "byte" | "bpe"
+        self._token_bytes: np.ndarray | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -45,6 +47,18 @@ class Tokenizer:
 
     def id_to_token(self, i: int) -> str:
         return self.decode([i]) if self.kind != "word" else self.hf.id_to_token(i)
+
+    def token_bytes(self) -> np.ndarray | None:
+        """(V,) UTF-8 bytes each id stands for, or None where a token's bytes depend on its neighbours. Byte-level
+        vocabularies (byte, bpe, GPT-2-like): the bytes of the token. Word-level: the word's bytes plus one, for the
+        single space that joins words in the decoded text."""
+        if self._token_bytes is None:
+            vocab = [self.hf.id_to_token(i) or "" for i in range(self.vocab_size)]
+            if self.kind == "word":
+                self._token_bytes = np.array([len(w.encode("utf-8")) + 1 for w in vocab], dtype=np.int64)
+            elif isinstance(self.hf.decoder, decoders.ByteLevel):  # one symbol per byte
+                self._token_bytes = np.array([len(w) for w in vocab], dtype=np.int64)
+        return self._token_bytes
 
     def to_json(self) -> str:
         return json.dumps({"cemtool_kind": self.kind, "tokenizer": json.loads(self.hf.to_str())})

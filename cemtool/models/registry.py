@@ -63,5 +63,9 @@ def arch_list(only: list[str] | None = None) -> list[dict]:
 
 
 def build_model(cfg):
-    """Instantiate the LM for a resolved ModelConfig (vocab_size and max_seq_len set)."""
+    """Instantiate the LM for a resolved ModelConfig (vocab_size and max_seq_len set). Refused before anything
+    is allocated if its weights cannot fit in the memory available (it is built on the CPU, then moved)."""
+    from cemtool.train import check_memory  # the one memory estimate (cemtool.train imports this module)
+
+    check_memory(cfg, "cpu", what="building")
     return get_arch(cfg.arch).build(cfg)
