@@ -20,6 +20,8 @@ with, e.g. GPT-2's), else ``byte`` (256 ids), else (``auto``) ids alone: a token
 from __future__ import annotations
 
 import json
+import mmap
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,16 +65,16 @@ def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, in
     """Memory-map one token file read-only: ((N,) integer ids, byte offset of the first id in the file)."""
     if path.suffix.lower() == ".npy":
         try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            header = np.load(path, mmap_mode="r", allow_pickle=False)  # validates; only the header is read
         except (ValueError, OSError, EOFError) as e:
             raise CemtoolError(f"{path} is not a NumPy array of token ids: {str(e).splitlines()[0][:200]}",
                                hint="save it with numpy.save(path, ids) from an integer array") from None
-        if arr.dtype.kind not in "iu":
-            raise CemtoolError(f"{path} holds {arr.dtype} values, not integer token ids")
-        if arr.ndim > 1 and not arr.flags.c_contiguous:
+        if header.dtype.kind not in "iu":
+            raise CemtoolError(f"{path} holds {header.dtype} values, not integer token ids")
+        if header.ndim > 1 and not header.flags.c_contiguous:
             raise CemtoolError(f"{path} is stored in Fortran order", hint="save it in C order (numpy's default)")
-        offset = arr.offset if isinstance(arr, np.memmap) else 0
-        return arr.reshape(-1), offset
+        offset = header.offset if isinstance(header, np.memmap) else path.stat().st_size
+        return map_tokens(path, header.dtype, offset, header.size), offset
     dtype = np.dtype(token_dtype).newbyteorder("<")
     size = path.stat().st_size
     if size % dtype.itemsize:
@@ -81,12 +83,24 @@ def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, in
                            hint="set data.token_dtype to the dtype it was written with (nanoGPT: uint16)")
     if size == 0:
         raise CemtoolError(f"token file {path} is empty")
-    return np.memmap(path, dtype=dtype, mode="r"), 0
+    return map_tokens(path, dtype, 0, size // dtype.itemsize), 0
+
+
+def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+    """(count,) read-only ids mapped from the file at ``offset``, advised for random access: a window faults in its
+    own pages only, without read-ahead, so resident memory follows the windows read, not the size of the file."""
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid after the file is closed
+    if hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)
+    return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
 
 
 def chunks(path: Path, offset: int, dtype: np.dtype, count: int) -> Iterator[tuple[int, np.ndarray]]:
-    """(index of the first id, ids) over a token file, read into one reused buffer (not through the memmap, whose
-    pages would stay resident)."""
+    """(index of the first id, ids) over a token file, read into one reused buffer, not through the map; the pages
+    read are then dropped from the page cache, so that the pass neither stays resident nor fills the cache."""
     buf = np.empty(min(SCAN_TOKENS, max(count, 1)), dtype=dtype)
     with open(path, "rb") as f:
         f.seek(offset)
@@ -96,6 +110,9 @@ def chunks(path: Path, offset: int, dtype: np.dtype, count: int) -> Iterator[tup
             got = f.readinto(buf[:n].view(np.uint8)) // dtype.itemsize
             if got < n:
                 raise CemtoolError(f"{path} is shorter than its header says (truncated?)")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), offset + done * dtype.itemsize, n * dtype.itemsize,
+                                 os.POSIX_FADV_DONTNEED)
             yield done, buf[:n]
             done += n
 
