@@ -64,6 +64,20 @@ def test_uint32_bin_with_token_dtype(tmp_path):
     assert c.tokenizer.vocab_size == 123457
 
 
+def test_auto_dtype_is_uint32_for_a_vocabulary_over_65536(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    hf = Tokenizer(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    ids = (np.arange(40, dtype=np.uint32) * 1700) % 70000
+    ids.tofile(tmp_path / "t.bin")
+    c = corpus_of(tmp_path / "t.bin", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=4, val_fraction=0.25)
+    np.testing.assert_array_equal(np.concatenate([c.train, c.val]), ids)
+    assert c.info["dtype"] == "uint32" and c.info["dtype_from"] == "auto: the vocabulary has 70,000 ids"
+    assert c.tokenizer.kind == "hf" and c.tokenizer.id_to_token(69999) == "w69999"
+
+
 def test_npy_any_integer_dtype_read_in_c_order(tmp_path):
     ids = np.arange(600, dtype=np.int64).reshape(20, 30)
     np.save(tmp_path / "t.npy", ids)
@@ -187,6 +201,7 @@ def test_train_on_nanogpt_folder_then_analyses_read_val_bin(tmp_path):
 
 
 def test_config_fields():
+    assert resolve().data.token_dtype == "auto"
     assert resolve(overrides=["data.token_dtype=uint32"]).data.token_dtype == "uint32"
     with pytest.raises(CemtoolError, match="data.token_dtype='int8' is not allowed"):
         resolve(overrides=["data.token_dtype=int8"])

@@ -1,7 +1,8 @@
 """Pretokenised token files, memory-mapped: nanoGPT-style flat ``.bin`` and NumPy ``.npy`` arrays.
 
 - ``name.bin``: raw little-endian token ids and nothing else (what nanoGPT's ``prepare.py`` writes), of
-  ``data.token_dtype`` (uint16, the default, or uint32 for vocabularies over 65,535 ids).
+  ``data.token_dtype``: uint16 or uint32; ``auto`` (the default) reads uint16, nanoGPT's, unless the vocabulary
+  has over 65,536 ids, which uint16 cannot hold, then uint32.
 - ``name.npy``: a NumPy array of integer ids (any shape, read in C order); its dtype comes from its header.
   Loaded with ``allow_pickle=False``: an object array is refused, nothing is ever unpickled.
 - a folder holding ``train.bin`` (or ``train.npy``) and optionally ``val.bin`` (``val.npy``), nanoGPT's layout:
@@ -186,31 +187,44 @@ def _named_tokenizer(cfg: DataConfig) -> Tokenizer | None:
 # the corpus
 
 
+def bin_dtype(cfg: DataConfig, vocab: int | None) -> tuple[str, str]:
+    """(dtype of .bin files, why): data.token_dtype, or under auto uint16 unless the vocabulary has over 65,536
+    ids (which uint16 cannot hold), then uint32."""
+    if cfg.token_dtype != "auto":
+        return cfg.token_dtype, "data.token_dtype"
+    if vocab is not None and vocab > 1 << 16:
+        return "uint32", f"auto: the vocabulary has {vocab:,} ids"
+    return "uint16", "auto: nanoGPT's uint16"
+
+
 def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None):
     """The corpus of a token source. ``tokenizer``: reuse a run's; ``vocab_size``: check the ids against this
     (a model's vocabulary) instead of the tokenizer's."""
-    from cemtool.data.corpus import Corpus, _split
+    from cemtool.data.corpus import Corpus
 
-    train_f, val_f = token_files(cfg.source)
-    files = {"train": open_tokens(train_f, cfg.token_dtype)}
-    if val_f is not None:
-        files["val"] = open_tokens(val_f, cfg.token_dtype)
     tok = tokenizer or _named_tokenizer(cfg)
     limit = vocab_size or (tok.vocab_size if tok is not None else None)
     what = f"size {limit}" if vocab_size else f"the {tok.kind} tokenizer" if tok is not None else ""
-    hi = max(check_ids(p, *files[s], limit, what) for s, p in (("train", train_f), ("val", val_f)) if s in files)
+    dtype, dtype_from = bin_dtype(cfg, limit)
+    train_f, val_f = token_files(cfg.source)
+    files = {"train": (train_f, *open_tokens(train_f, dtype))}
+    if val_f is not None:
+        files["val"] = (val_f, *open_tokens(val_f, dtype))
+    hi = max(check_ids(path, arr, offset, limit, what) for path, arr, offset in files.values())
     if tok is None:
         tok = id_tokenizer(hi + 1)
-    train = files["train"][0]
-    if val_f is None:
-        if len(train) < 2:
-            raise CemtoolError(f"token file {train_f} holds fewer than 2 tokens")
-        train, val = _split(train, cfg.val_fraction)
-    else:
-        val = files["val"][0]
+    train = files["train"][1]
+    if val_f is not None:
+        val = files["val"][1]
+    elif len(train) < 2:
+        raise CemtoolError(f"token file {train_f} holds fewer than 2 tokens")
+    else:  # the end of the stream, as for text
+        n_val = max(1, int(round(len(train) * cfg.val_fraction)))
+        train, val = train[:-n_val], train[-n_val:]
     root = Path(cfg.source).expanduser()
-    info = {"source": str(root.resolve()), "format": train_f.suffix.lower().lstrip("."),
-            "dtype": str(train.dtype), "train_file": str(train_f.resolve()),
+    fmt = train_f.suffix.lower().lstrip(".")
+    info = {"source": str(root.resolve()), "format": fmt, "dtype": str(train.dtype),
+            "dtype_from": dtype_from if fmt == "bin" else "the .npy header", "train_file": str(train_f.resolve()),
             "val_file": str(val_f.resolve()) if val_f is not None else None,
             "val_split": "val file" if val_f is not None else f"last {cfg.val_fraction:g} of train",
             "tokens": int(len(train) + len(val)), "train_tokens": int(len(train)), "val_tokens": int(len(val)),
