@@ -143,9 +143,8 @@ class DataConfig:
                               min=0.001, max=0.5)
     seed: int = opt(1234, "seed of the corpus itself (synthetic generation), independent of the training seed",
                     min=0, max=MAX_SEED)
-    token_dtype: str = opt("auto", "dtype of flat .bin token files; auto = uint16 (nanoGPT's) unless the tokenizer "
-                                   "has over 65,536 ids, then uint32; .npy files carry their own",
-                           choices=("auto", "uint16", "uint32"))
+    token_dtype: str = opt("uint16", "dtype of flat .bin token files (nanoGPT: uint16; uint32 for vocabularies over "
+                                     "65,535); .npy files carry their own", choices=("uint16", "uint32"))
 
 
 @dataclass(frozen=True)
@@ -434,6 +433,8 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"of a tokenizer.json")
     if m.max_seq_len and m.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={cfg.data.seq_len}")
+    if cfg.train.optimizer == "muon" and cfg.train.lr <= 0:  # Muon's rate is muon_lr / lr x lr's schedule
+        raise ConfigError("train.optimizer=muon needs train.lr > 0: Muon's rate follows the schedule of train.lr")
     return cfg
 
 

@@ -64,9 +64,11 @@ def hidden_matrices(model: torch.nn.Module) -> set[int]:
 def split_muon(model: torch.nn.Module, groups: list[dict], tc: TrainConfig) -> tuple[list[dict], dict]:
     """Move the hidden matrices out of the AdamW ``groups`` into one Muon group."""
     if tc.lr <= 0:
-        raise ConfigError("train.optimizer=muon needs train.lr > 0: Muon's rate follows train.lr's schedule "
-                          "(its group runs at muon_lr / lr times that rate)")
+        raise ConfigError("train.optimizer=muon needs train.lr > 0: Muon's rate follows the schedule of train.lr")
     hidden = hidden_matrices(model)
+    if not hidden:
+        raise ConfigError("train.optimizer=muon: this model has no Linear weights besides its head for Muon to train",
+                          hint="use train.optimizer=adamw")
     muon = {"name": "muon", "params": [], "param_names": [], "lr_mult": tc.muon_lr / tc.lr,
             "weight_decay": tc.weight_decay}
     kept = []

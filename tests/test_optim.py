@@ -146,3 +146,8 @@ def test_fine_tune_of_a_muon_run_uses_the_adamw_recipe():
 
     source = resolve(arch="tmm", overrides=["train.optimizer=muon"])
     assert finetune_config(source, "grammar-b", REFERENCE).train.optimizer == "adamw"
+
+
+def test_muon_with_zero_lr_is_refused_before_a_run_is_created():
+    with pytest.raises(ConfigError, match="needs train.lr > 0"):
+        resolve(arch="baseline", overrides=["train.optimizer=muon", "train.lr=0"])
