@@ -143,8 +143,9 @@ class DataConfig:
                               min=0.001, max=0.5)
     seed: int = opt(1234, "seed of the corpus itself (synthetic generation), independent of the training seed",
                     min=0, max=MAX_SEED)
-    token_dtype: str = opt("uint16", "dtype of flat .bin token files (nanoGPT: uint16; uint32 for vocabularies over "
-                                     "65,535); .npy files carry their own", choices=("uint16", "uint32"))
+    token_dtype: str = opt("auto", "dtype of flat .bin token files; auto = uint16 (nanoGPT's) unless the tokenizer "
+                                   "has over 65,536 ids, then uint32; .npy files carry their own",
+                           choices=("auto", "uint16", "uint32"))
 
 
 @dataclass(frozen=True)
