@@ -111,3 +111,26 @@ def test_defaults_match_the_api_and_the_device_is_auto():
               "min_per_class", "seed"):
         assert api[k].default == cli[k], k  # every option has the command's default (docs/api.md: optional)
     assert cli["min_per_class"] == MIN_PER_CLASS and cli["device"] == "auto"
+
+
+def test_plot_draws_reports_under_any_name(runs, tmp_path, monkeypatch):
+    """`plot` sees every named report: collapse-report --name goes to the collapse figures under its own name,
+    a sharpness --params layer:N report under any name to the eigenvalues-per-layer figure."""
+    from cemtool.plots import render
+
+    run = tmp_path / "run"
+    shutil.copytree(runs[0], run, ignore=shutil.ignore_patterns("plots", "reports"))
+    res = CliRunner().invoke(app, ["collapse-report", str(run), "--tokens", "64", "--per-class", "16", "--name",
+                                   "coll", "-q", "--no-plots"])
+    assert res.exit_code == 0, res.output
+    layer = {"provenance": {"analysis": "sharpness", "backend": "cemtool"}, "options": {"params": "layer:0"},
+             "tokens": 64, "eigen": {"top": [2.0], "bottom": [-0.1]}}
+    (run / "reports" / "first-layer.json").write_text(json.dumps(layer))
+    drawn = []
+    monkeypatch.setitem(render.PLOTTERS, "collapse", lambda rep, plots, stem: drawn.append((stem, rep)) or [])
+    figures: dict = {}
+    problems: list[str] = []
+    reports = render._plot_reports(render.find_reports(run), run / "plots", figures, problems)
+    assert not problems and [stem for stem, _ in drawn] == ["coll"] and drawn[0][1] == reports["coll"][1]
+    entries, sources = render._layer_entries([run])
+    assert sources == [run / "reports" / "first-layer.json"] and entries[0]["reports"] == [layer]

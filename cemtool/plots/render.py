@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cemtool.errors import CemtoolError
 from cemtool.plots.training import distinguishable, is_run_dir, plot_training, read_json, read_run
+from cemtool.report import named_reports, report_kind
 
 Plotter = Callable[[dict, Path, str], list[Path]]
 
@@ -149,7 +150,7 @@ def _plot_reports(paths: list[Path], plots: Path, figures: dict, problems: list[
         try:
             if not isinstance(rep, dict):
                 raise TypeError("not a JSON object")
-            plotter = plotter_for(stem)
+            plotter = PLOTTERS.get(report_kind(stem, rep) or "") or plotter_for(stem)  # any name (--name)
             if plotter is not None:
                 figures[stem] = _pngs(plotter(rep, plots, stem))
             writer = section_writer(stem)
@@ -174,11 +175,8 @@ def _layer_entries(runs: list[Path]) -> tuple[list[dict], list[Path]]:
     entries, sources = [], []
     for c in curves:
         reps = []
-        for p in sorted((c.path / "reports").glob("sharpness*.json")):
-            try:
-                rep = read_json(p, "report")
-            except CemtoolError:
-                continue  # reported by _plot_reports
+        for named in named_reports(c.path, kind="sharpness"):  # whatever their names (sharpness --name)
+            rep, p = named.report, named.path  # an unreadable one is reported by _plot_reports
             if isinstance(rep, dict) and layer_of(rep) is not None and rep.get("eigen"):
                 reps.append(rep)
                 sources.append(p)
