@@ -56,6 +56,20 @@ def test_bin_is_memory_mapped_and_split_at_val_fraction(tmp_path):
     assert c.tokenizer.encode("<7> <42>") == [7, 42] and c.tokenizer.decode([7, 42]) == "<7> <42>"
 
 
+def test_corpus_hash_follows_the_ids_so_a_resume_sees_changed_data(tmp_path):
+    from cemtool.train import check_data_unchanged
+
+    ids = np.arange(3000, dtype=np.uint16) % 500
+    ids.tofile(tmp_path / "t.bin")
+    before = corpus_of(tmp_path / "t.bin").info
+    ids[1234] += 1
+    ids.tofile(tmp_path / "t.bin")
+    after = corpus_of(tmp_path / "t.bin")
+    assert before["sha256"] != after.info["sha256"] and len(before["sha256"]) == 64
+    with pytest.raises(CemtoolError, match="changed since it started"):
+        check_data_unchanged({"corpus": before}, after)
+
+
 def test_uint32_bin_with_token_dtype(tmp_path):
     ids = np.array([3, 70000, 123456, 5, 99999, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], dtype=np.uint32)
     ids.tofile(tmp_path / "big.bin")

@@ -8,9 +8,9 @@
 - a folder holding ``train.bin`` (or ``train.npy``) and optionally ``val.bin`` (``val.npy``), nanoGPT's layout:
   the val file is the validation split; without one the last ``data.val_fraction`` of train is held out.
 
-Nothing is read whole. The files are memory-mapped, and the one full pass, the check that every id lies in the
-vocabulary, reads fixed-size chunks into one buffer, so memory stays flat in the size of the corpus
-(``benchmarks/token_memory.py`` measures it).
+Nothing is read whole. The files are memory-mapped, and the one full pass, which checks that every id lies in the
+vocabulary and hashes the ids (``corpus.sha256``: a resumed run refuses changed data, as for text), reads fixed-size
+chunks into one buffer, so memory stays flat in the size of the corpus (``benchmarks/token_memory.py`` measures it).
 
 The vocabulary the ids are checked against: the tokenizer that is given (a run's, when an analysis reloads its
 data), else ``data.tokenizer`` as the path of a Hugging Face ``tokenizer.json`` (the one the files were made
@@ -20,6 +20,7 @@ with, e.g. GPT-2's), else ``byte`` (256 ids), else (``auto``) ids alone: a token
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -118,11 +119,15 @@ def chunks(path: Path, offset: int, dtype: np.dtype, count: int) -> Iterator[tup
             done += n
 
 
-def check_ids(path: Path, arr: np.ndarray, offset: int, limit: int | None, what: str) -> int:
+def check_ids(path: Path, arr: np.ndarray, offset: int, limit: int | None, what: str, digest=None) -> int:
     """Read every id once in chunks; refuse negative ids and ids >= ``limit`` (one line naming the first one and
-    its position). Returns the largest id."""
+    its position). Returns the largest id; ``digest`` (a hashlib object) is updated with the dtype, count and ids."""
     hi = -1
+    if digest is not None:
+        digest.update(f"{arr.dtype.str}|{len(arr)}|".encode())
     for start, ids in chunks(path, offset, arr.dtype, len(arr)):
+        if digest is not None:
+            digest.update(ids.view(np.uint8))
         bad = (ids < 0) | (ids >= limit) if limit is not None else ids < 0
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
@@ -210,7 +215,8 @@ def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size
     files = {"train": (train_f, *open_tokens(train_f, dtype))}
     if val_f is not None:
         files["val"] = (val_f, *open_tokens(val_f, dtype))
-    hi = max(check_ids(path, arr, offset, limit, what) for path, arr, offset in files.values())
+    digest = hashlib.sha256()  # the corpus hash a resumed run compares (as for text)
+    hi = max(check_ids(path, arr, offset, limit, what, digest) for path, arr, offset in files.values())
     if tok is None:
         tok = id_tokenizer(hi + 1)
     train = files["train"][1]
@@ -228,5 +234,5 @@ def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size
             "val_file": str(val_f.resolve()) if val_f is not None else None,
             "val_split": "val file" if val_f is not None else f"last {cfg.val_fraction:g} of train",
             "tokens": int(len(train) + len(val)), "train_tokens": int(len(train)), "val_tokens": int(len(val)),
-            "max_token_id": hi, "tokenizer": tok.kind, "vocab_size": tok.vocab_size}
+            "max_token_id": hi, "sha256": digest.hexdigest(), "tokenizer": tok.kind, "vocab_size": tok.vocab_size}
     return Corpus(root.name, tok, train, val, info=info)
