@@ -92,8 +92,9 @@ class TrainCommand(TyperCommand):
 def train(
     arch: Annotated[Optional[str], typer.Option("--arch", "-a", help="architecture (see `cemtool archs`); "
                                                  "default baseline")] = None,
-    data: Annotated[Optional[str], typer.Option("--data", "-d", help="a registered source (see --help) or a .txt "
-                                                "file / folder of .txt files")] = None,
+    data: Annotated[Optional[str], typer.Option("--data", "-d", help="a registered source (see --help), a .txt "
+                                                "file / folder of .txt files, or token files (.bin, .npy, a folder "
+                                                "with train.bin and val.bin)")] = None,
     config: Annotated[Optional[list[Path]], typer.Option("--config", "-c", help="TOML or JSON config file; "
                                                           "repeatable: composed in order, a later file overriding "
                                                           "an earlier one key by key")] = None,
