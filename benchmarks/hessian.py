@@ -83,22 +83,10 @@ def rel_err(vals: list[float], ref: np.ndarray) -> float:
     return float(np.max(np.abs(v - ref) / np.abs(ref)))
 
 
-def eigen_part(args) -> list[dict]:
-    t0 = time.perf_counter()
-    model, x, y = trained_model(["model.n_layer=2", "model.d_model=64", "model.n_head=4"], args.train_steps, 32,
-                                64 * 32)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"model: baseline 2x64, {n:,} parameters, trained {args.train_steps} steps on pydoc bytes "
-          f"({time.perf_counter() - t0:.1f} s); evaluation set {tuple(x.shape)} = {y.numel():,} tokens", flush=True)
-    with Objective(model, x, y, dtype=args.dtype) as obj:  # warm-up: torch imports sympy on the first HVP
-        obj.hvp(torch.ones(obj.n))
-    t0 = time.perf_counter()
-    ref = reference_top(model, x, y, args.k)
-    print(f"float64 reference (ARPACK): top-{args.k} = {np.array2string(ref, precision=6)} "
-          f"({time.perf_counter() - t0:.1f} s)", flush=True)
-
+def run_tools(model, x, y, args, ref: np.ndarray) -> list[dict]:
+    """Both tools at their default stopping rules, alternating ``--repeats`` times (times include set-up)."""
     ph_runs, cem_runs = [], []
-    for r in range(args.repeats):  # alternate so both see the same machine load; times include set-up
+    for r in range(args.repeats):  # alternate so both see the same machine load
         t0, c0 = time.perf_counter(), time.process_time()
         res = run_pyhessian(model, x, y, dtype=args.dtype, top_k=args.k, seed=r, steps=("eigenvalues",))
         ph_runs.append((res.eigen_hvps, time.perf_counter() - t0, time.process_time() - c0,
@@ -114,9 +102,59 @@ def eigen_part(args) -> list[dict]:
         rows.append({"tool": name, "hvps": statistics.median(r[0] for r in runs), "seconds": min(r[1] for r in runs),
                      "cpu": min(r[2] for r in runs), "max_rel_err": max(r[3] for r in runs),
                      "hvps_all": [r[0] for r in runs], "errs_all": [r[3] for r in runs], "top": runs[0][4]})
-    res = run_pyhessian(model, x[:8], y[:8], dtype=args.dtype, steps=("density",), density_steps=3, eig_shim=False)
-    rows.append({"tool": "density", "error": res.errors.get("density")})
     return rows
+
+
+def pyhessian_at_accuracy(model, x, y, args, ref: np.ndarray, target: float) -> dict:
+    """PyHessian's power iteration with ever tighter tolerances (maxIter 1000) until its top-k error <= target:
+    the HVPs and wall time it needs for the accuracy cemtool is asked for (the fair comparison)."""
+    for tol in (1e-3, 1e-4, 1e-5, 1e-6, 1e-7):
+        t0 = time.perf_counter()
+        res = run_pyhessian(model, x, y, dtype=args.dtype, top_k=args.k, seed=0, tol=tol, max_iter=1000,
+                            steps=("eigenvalues",))
+        err = rel_err(res.eigenvalues, ref)
+        if err <= target:
+            return {"tol": tol, "hvps": res.eigen_hvps, "seconds": time.perf_counter() - t0, "err": err}
+    return {"tol": tol, "hvps": res.eigen_hvps, "seconds": time.perf_counter() - t0, "err": err, "failed": True}
+
+
+def eigen_part(args, steps: int) -> tuple[bool, dict]:
+    """One model trained ``steps`` steps: both tools at their default rules and at equal accuracy. Returns
+    (targets met, numbers)."""
+    t0 = time.perf_counter()
+    model, x, y = trained_model(["model.n_layer=2", "model.d_model=64", "model.n_head=4"], steps, 32, 64 * 32)
+    n = sum(p.numel() for p in model.parameters())
+    with Objective(model, x, y, dtype="fp64") as obj:  # warm-up: torch imports sympy on the first HVP
+        loss = obj.loss()
+        obj.hvp(torch.ones(obj.n))
+    print(f"\nmodel: baseline 2x64, {n:,} parameters, trained {steps} steps on pydoc bytes (evaluation loss "
+          f"{loss:.3f} nats/token, {time.perf_counter() - t0:.1f} s); evaluation set {tuple(x.shape)} = "
+          f"{y.numel():,} tokens", flush=True)
+    t0 = time.perf_counter()
+    ref = reference_top(model, x, y, args.k)
+    print(f"float64 reference (ARPACK): top-{args.k} = {np.array2string(ref, precision=6)} "
+          f"({time.perf_counter() - t0:.1f} s)", flush=True)
+    ph, cem = run_tools(model, x, y, args, ref)
+    print(f"top-{args.k} eigenvalues, {args.dtype} HVPs, {args.repeats} alternating runs each at each tool's default "
+          f"stopping rule: median HVPs, best wall and CPU time (including set-up), worst error")
+    print(f"{'tool':<12}{'HVPs':>8}{'wall s':>10}{'CPU s':>10}{'max rel err':>14}   per run: HVPs / rel err")
+    for r in (ph, cem):
+        print(f"{r['tool']:<12}{r['hvps']:>8.0f}{r['seconds']:>10.3f}{r['cpu']:>10.3f}{r['max_rel_err']:>14.2e}   "
+              + ", ".join(f"{h} / {e:.1e}" for h, e in zip(r["hvps_all"], r["errs_all"], strict=True)))
+    for r in (ph, cem):
+        print(f"{r['tool']} top-{args.k} (first run): " + " ".join(f"{v:.6g}" for v in r["top"]))
+    eq = pyhessian_at_accuracy(model, x, y, args, ref, args.target)
+    reached = "" if not eq.get("failed") else " (NOT reached: its best)"
+    print(f"equal accuracy (top-{args.k} error <= {args.target:g}): PyHessian needs {eq['hvps']} HVPs at tol "
+          f"{eq['tol']:g} (error {eq['err']:.1e}, {eq['seconds']:.2f} s){reached}; cemtool {cem['hvps']:.0f} HVPs "
+          f"(error {cem['max_rel_err']:.1e}, {cem['seconds']:.2f} s)")
+    hv_ratio, wall_ratio = cem["hvps"] / eq["hvps"], cem["seconds"] / eq["seconds"]
+    ok = cem["max_rel_err"] <= args.target and hv_ratio <= 0.25 and wall_ratio <= 1 / 3
+    print(f"ratios cemtool/pyhessian at equal accuracy: HVPs {hv_ratio:.3f} (target <= 0.25), wall {wall_ratio:.3f} "
+          f"(target <= 0.333); at PyHessian's default rule: HVPs {cem['hvps'] / ph['hvps']:.3f}, wall "
+          f"{cem['seconds'] / ph['seconds']:.3f} (PyHessian's error there {ph['max_rel_err']:.1e}); cemtool error "
+          f"{cem['max_rel_err']:.1e} (target <= {args.target:g}): {'met' if ok else 'NOT met'}", flush=True)
+    return ok, {"pyhessian": ph, "cemtool": cem, "equal": eq}
 
 
 def markov_model(steps: int, seed: int = 0):
@@ -192,6 +230,7 @@ def trace_part(args) -> list[dict]:
             errs = [abs(r.trace - exact) / abs(exact) for r in runs]
             rows.append({"tool": f"cemtool {runs[0].method}", "hvps": 100, "mean_rel_err": float(np.mean(errs)),
                          "max_rel_err": float(np.max(errs)), "rel_se": float(np.mean([r.se for r in runs])) / exact,
+                         "within_2se": float(np.mean([abs(r.trace - exact) <= 2 * r.se for r in runs])),
                          "seconds": statistics.median(r.seconds for r in runs)})
     errs, hv, secs = [], [], []
     for s in range(args.trace_seeds):
@@ -200,19 +239,24 @@ def trace_part(args) -> list[dict]:
         hv.append(res.trace_hvps)
         secs.append(res.trace_seconds)
     rows.append({"tool": "pyhessian trace()", "hvps": statistics.median(hv), "mean_rel_err": float(np.mean(errs)),
-                 "max_rel_err": float(np.max(errs)), "rel_se": float("nan"), "seconds": statistics.median(secs)})
+                 "max_rel_err": float(np.max(errs)), "rel_se": float("nan"), "within_2se": None,
+                 "seconds": statistics.median(secs)})
     return rows
 
 
 def trace_only(args) -> bool:
     trows = trace_part(args)
     print(f"\ntrace, {args.trace_seeds} seeds, relative to the exact trace of the dense Hessian")
-    print(f"{'estimator':<26}{'HVPs':>6}{'mean err':>11}{'max err':>11}{'mean SE':>10}{'wall s':>9}")
+    print(f"{'estimator':<26}{'HVPs':>6}{'mean err':>11}{'max err':>11}{'mean SE':>10}{'within 2 SE':>13}{'wall s':>9}")
     for r in trows:
+        cover = "" if r["within_2se"] is None else f"{r['within_2se']:.0%}"
         print(f"{r['tool']:<26}{r['hvps']:>6.0f}{r['mean_rel_err']:>11.2%}{r['max_rel_err']:>11.2%}"
-              f"{r['rel_se']:>10.2%}{r['seconds']:>9.3f}")
-    best = min(r["mean_rel_err"] for r in trows if r["tool"].startswith("cemtool"))
-    return best <= 0.01
+              f"{r['rel_se']:>10.2%}{cover:>13}{r['seconds']:>9.3f}")
+    default = next(r for r in trows if r["tool"] == "cemtool xtrace")  # judge the default estimator only
+    ok = default["mean_rel_err"] <= 0.01 and default["max_rel_err"] <= 0.02
+    print(f"XTrace (the default): mean error {default['mean_rel_err']:.2%} (target <= 1%), worst seed "
+          f"{default['max_rel_err']:.2%} (target <= 2%): {'met' if ok else 'NOT met'}")
+    return ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,37 +267,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp64"), help="HVP dtype of both tools")
     ap.add_argument("--k", type=int, default=5, help="top eigenvalues (default 5)")
     ap.add_argument("--tol", type=float, default=1e-4, help="cemtool Lanczos tolerance (default 1e-4)")
-    ap.add_argument("--trace-seeds", type=int, default=8, help="seeds of the trace comparison (default 8)")
+    ap.add_argument("--trace-seeds", type=int, default=10, help="seeds of the trace comparison (default 10)")
     ap.add_argument("--trace-train-steps", type=int, default=300, help="training steps of the trace model")
     ap.add_argument("--skip-eigen", action="store_true", help="only the trace comparison")
     ap.add_argument("--skip-trace", action="store_true", help="only the eigenvalue comparison")
+    ap.add_argument("--converged-steps", type=int, default=1500,
+                    help="training steps of the second, converged eigenvalue model (default 1500; 0 = skip)")
+    ap.add_argument("--target", type=float, default=1e-4, help="top-k relative error target (default 1e-4)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_all = time.perf_counter()
-
-    if args.skip_eigen:
-        trace_only(args)
-        return 0
-    rows = eigen_part(args)
-    ph, cem, dens = rows
-    print(f"\ntop-{args.k} eigenvalues, {args.dtype} HVPs, {args.repeats} alternating runs each: median HVPs, "
-          f"best wall and CPU time (including each tool's set-up), worst error")
-    print(f"{'tool':<12}{'HVPs':>8}{'wall s':>10}{'CPU s':>10}{'max rel err':>14}   per run: HVPs / rel err")
-    for r in (ph, cem):
-        print(f"{r['tool']:<12}{r['hvps']:>8.0f}{r['seconds']:>10.3f}{r['cpu']:>10.3f}{r['max_rel_err']:>14.2e}   "
-              + ", ".join(f"{h} / {e:.1e}" for h, e in zip(r["hvps_all"], r["errs_all"], strict=True)))
-    print(f"ratios cemtool/pyhessian: HVPs {cem['hvps'] / ph['hvps']:.3f} (target <= 0.25), wall "
-          f"{cem['seconds'] / ph['seconds']:.3f} (target <= 0.333), CPU {cem['cpu'] / ph['cpu']:.3f}; cemtool max "
-          f"error {cem['max_rel_err']:.1e} (target <= 1e-4)")
-    for r in (ph, cem):
-        print(f"{r['tool']} top-{args.k} (first run): " + " ".join(f"{v:.6g}" for v in r["top"]))
-    print(f"PyHessian density() without cemtool's shim: {dens['error'] or 'ran'}")
-    ok = cem["hvps"] <= ph["hvps"] / 4 and cem["seconds"] <= ph["seconds"] / 3 and cem["max_rel_err"] <= 1e-4
-
+    ok = True
+    if not args.skip_eigen:
+        for steps in [args.train_steps] + ([args.converged_steps] if args.converged_steps else []):
+            ok = eigen_part(args, steps)[0] and ok
+        model, x, y = trained_model(["model.n_layer=2", "model.d_model=64", "model.n_head=4"], 1, 32, 8 * 32)
+        res = run_pyhessian(model, x, y, dtype=args.dtype, steps=("density",), density_steps=3, eig_shim=False)
+        print(f"PyHessian density() without cemtool's shim: {res.errors.get('density') or 'ran'}")
     if not args.skip_trace:
         ok = trace_only(args) and ok
     print(f"\ntargets {'met' if ok else 'NOT met'}; total {time.perf_counter() - t_all:.0f} s")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
