@@ -256,6 +256,7 @@ def tokens_note(requested: int, used: int, windows: int, seq_len: int) -> str:
            if windows < max(1, requested // seq_len) else f"the evaluation set is whole windows of {seq_len} tokens")
     return f"{used:,} evaluation tokens used of {requested:,} requested: {why}"
 
+
 TRACE_METHODS = {"hutchinson": hs.hutchinson, "hutch++": hs.hutch_plus_plus, "xtrace": hs.xtrace}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
