@@ -17,8 +17,10 @@ transformers = pytest.importorskip("transformers")
 from typer.testing import CliRunner  # noqa: E402
 
 from cemtool.cli.main import app  # noqa: E402
+from cemtool.data.corpus import load_corpus, windows  # noqa: E402
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer  # noqa: E402
 from cemtool.models.capture import capture  # noqa: E402
+from cemtool.models.lm import lm_loss  # noqa: E402
 from cemtool.runs import load_run  # noqa: E402
 
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
@@ -28,15 +30,15 @@ WORDS = [f"w{i}" for i in range(8)]
 def tiny_config(family: str, vocab: int = 256, d: int = 16, layers: int = 2):
     ids = dict(vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if family == "gpt2":
-        return transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=2, n_positions=64, **ids)
+        return transformers.GPT2Config(n_embd=d, n_layer=layers, n_head=2, n_positions=16, **ids)
     if family == "gpt_neox":  # partial rotary as in Pythia
         return transformers.GPTNeoXConfig(hidden_size=d, num_hidden_layers=layers, num_attention_heads=2,
-                                          intermediate_size=2 * d, max_position_embeddings=64, rotary_pct=0.5, **ids)
+                                          intermediate_size=2 * d, max_position_embeddings=16, rotary_pct=0.5, **ids)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config}[family]
     kv = {"llama": 2, "mistral": 1, "qwen2": 2}[family]  # GQA and MQA
     return cls(hidden_size=d, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv,
-               intermediate_size=2 * d, max_position_embeddings=64, **ids)
+               intermediate_size=2 * d, max_position_embeddings=16, **ids)
 
 
 def save_tiny(path, config, tokenizer, seed: int = 0) -> str:
@@ -83,18 +85,30 @@ def one_line_error(res, *words: str) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_analysis_runs_on_every_family(hf_models, text_file, family):
+def test_every_analysis_runs_on_every_family(hf_models, text_file, word_text, family):
     d = hf_models[family]
-    res = invoke("sharpness", d, "--data", text_file, "--tokens", 128, "--top-k", 1, "--bottom-k", 0,
-                 "--lanczos-steps", 4, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
+    res = invoke("sharpness", d, "--data", text_file, "--tokens", 64, "--top-k", 1, "--bottom-k", 0,
+                 "--lanczos-steps", 2, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
                  "--avg-rho", 0, "--landscape", "none", "--params", "layer:1,embed", "--no-plots", "--quiet")
     assert res.exit_code == 0, res.output
-    res = invoke("collapse-report", d, "--data", text_file, "--tokens", 256, "--folds", 2, "--no-plots", "--quiet")
+    res = invoke("collapse-report", d, "--data", text_file, "--tokens", 128, "--folds", 2, "--no-plots", "--quiet")
     assert res.exit_code == 0, res.output
-    res = invoke("saturation", d, "--data", text_file, "--tokens", 128, "--ranks", "0,2", "--no-plots", "--quiet")
+    res = invoke("saturation", d, "--data", text_file, "--tokens", 64, "--ranks", "0,2", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    ft = Path(d).parent / f"{family}-ft"
+    res = invoke("forgetting", d, "--data", text_file, "--to", word_text, "--out", ft, "--steps", 2, "--eval-every", 2,
+                 "--eval-tokens", 64, "--quiet")
     assert res.exit_code == 0, res.output
     reports = {n: json.loads((Path(d) / "reports" / f"{n}.json").read_text())
                for n in ("sharpness-layer-1-embed", "collapse", "saturation")}
+    forgot = json.loads((ft / "reports" / "forgetting.json").read_text())
+    assert forgot["source"]["data"] == text_file and [c["step"] for c in forgot["curve"]] == [0, 2]
+    src = load_run(d, data=text_file)  # step 0 is the source model on the source data's validation windows
+    corpus = load_corpus(src.config.data, tokenizer=src.tokenizer)
+    x, y = windows(corpus.val, corpus.eval_windows(16, 64), 16)  # data.seq_len = max_position_embeddings
+    with torch.no_grad():
+        assert forgot["before"]["source_loss"] == pytest.approx(float(lm_loss(src.model(x), y)), rel=1e-5)
+    assert load_run(ft).config.model.arch == forgot["source"]["arch"]  # the fine-tune reloads (its own process too)
     for rep in reports.values():
         src = rep["provenance"]["model_source"]
         assert src["logits_check"]["passed"] and src["logits_check"]["max_abs_diff"] <= 1e-5
@@ -131,8 +145,6 @@ def dense_hessian(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
     """Exact Hessian of the mean token loss over all parameters (float64), by autograd on a float64 copy."""
     from torch.func import functional_call
 
-    from cemtool.models.lm import lm_loss
-
     work = __import__("copy").deepcopy(model).double().eval()
     named = dict(work.named_parameters())
     sizes = [p.numel() for p in named.values()]
@@ -149,16 +161,16 @@ def dense_hessian(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
 def test_sharpness_of_a_tiny_llama_matches_its_dense_hessian(tmp_path, word_text):
     from cemtool.analysis.hessian import evaluation_set
 
-    cfg = transformers.LlamaConfig(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                   intermediate_size=4, max_position_embeddings=64, vocab_size=len(WORDS),
+    cfg = transformers.LlamaConfig(hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                                   intermediate_size=2, max_position_embeddings=16, vocab_size=len(WORDS),
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
     d = save_tiny(tmp_path / "llama", cfg, word_tokenizer(WORDS))
     loaded = load_run(d, data=word_text)
     n = sum(p.numel() for p in loaded.model.parameters())
     assert n <= 3000
-    x, y = evaluation_set(loaded, 128)
+    x, y = evaluation_set(loaded, 32)  # 2 windows of 16 tokens
     ev = torch.linalg.eigvalsh(dense_hessian(loaded.model, x, y)).numpy()
-    res = invoke("sharpness", d, "--data", word_text, "--tokens", 128, "--dtype", "fp64", "--top-k", 3,
+    res = invoke("sharpness", d, "--data", word_text, "--tokens", 32, "--dtype", "fp64", "--top-k", 3,
                  "--bottom-k", 1, "--lanczos-steps", n, "--tol", 1e-10, "--trace-method", "hutch++",
                  "--trace-hvps", 3 * n, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0, "--avg-rho", 0,
                  "--landscape", "none", "--no-plots", "--quiet")
@@ -176,7 +188,7 @@ def test_collapse_of_a_tiny_llama_equals_values_taken_from_v_proj(hf_models):
     from cemtool.analysis.collapse import collapse_report
 
     model = load_run(hf_models["llama"]).model
-    x = torch.randint(0, 256, (6, 24), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(1))
     rep = collapse_report(model, x, alpha=0.5, batch_size=4)
     seen: dict[int, list] = {0: [], 1: []}
     handles = [layer.self_attn.v_proj.register_forward_hook(lambda m, i, o, k=k: seen[k].append(o.detach()))
