@@ -167,3 +167,15 @@ def test_model_too_large_for_fp64_is_one_line(run_dir, monkeypatch):
 def test_bad_usage_exits_2(run_dir):
     assert invoke(run_dir, "--backend", "magic").exit_code == 2
     assert invoke(run_dir, "--top-k", "-1").exit_code == 2
+
+
+def test_the_stage_bar_completes_when_a_stage_stops_early():
+    from cemtool.cli.sharpness_cmd import StageBar
+
+    with StageBar(quiet=True) as bar:
+        for done in range(21):
+            bar("eigenvalues (Lanczos)", done, 40)
+        bar("eigenvalues (Lanczos)", 20, 20)  # Lanczos converged after 20 of 40 steps
+        task = bar.bar.tasks[0]
+        assert task.finished and task.completed == task.total == 20
+        assert task.fields["status"] == "stopped early (20 of 40)"
