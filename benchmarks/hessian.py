@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/hessian.py            # a few minutes on one idle CPU core; exit 1 on a miss
     OMP_NUM_THREADS=1 python benchmarks/hessian.py --converged-steps 0 --skip-trace   # the 50-step model only
+    OMP_NUM_THREADS=1 python benchmarks/hessian.py --skip-eigen --skip-trace          # the tiny HF Llama row only
 
 Part 1 (eigenvalues), on two GPT-style baselines of 117k parameters (2 layers, d_model 64, byte vocabulary) trained
 on Python's own documentation, one for 50 steps and one to convergence (``--converged-steps``, default 1500),
@@ -270,6 +271,41 @@ def trace_only(args) -> bool:
     return ok
 
 
+def hf_llama_part(args) -> None:
+    """The same comparison on a model cemtool did not train: a tiny random-weight Hugging Face Llama (2 layers,
+    d_model 64, 4 query / 2 key-value heads, byte vocabulary), saved with save_pretrained and loaded through
+    cemtool.foreign as every analysis loads it; both tools at their default stopping rules on 16 windows x 32 pydoc
+    bytes. A row to read, not a target."""
+    try:
+        import transformers
+    except ImportError:
+        print("\nHF Llama row skipped: transformers is not installed (pip install -e \".[hf]\")")
+        return
+    from cemtool.analysis.hessian import evaluation_set
+    from cemtool.data.tokenizer import byte_tokenizer
+    from cemtool.runs import load_run
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32,
+                                   bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as d:
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer().hf).save_pretrained(d)
+        loaded = load_run(d, data="pydoc")
+        x, y = evaluation_set(loaded, 16 * 32)
+    model = loaded.model
+    n = sum(p.numel() for p in model.parameters())
+    ref = reference_top(model, x, y, args.k)
+    ph, cem = run_tools(model, x, y, args, ref)
+    print(f"\nHF Llama (random weights, {n:,} parameters, loaded by cemtool.foreign), {y.numel():,} tokens: "
+          f"top-{args.k} at each tool's default rule, {args.dtype}")
+    print(f"{'tool':<12}{'HVPs':>8}{'wall s':>10}{'CPU s':>10}{'max rel err':>14}")
+    for r in (ph, cem):
+        print(f"{r['tool']:<12}{r['hvps']:>8.0f}{r['seconds']:>10.3f}{r['cpu']:>10.3f}{r['max_rel_err']:>14.2e}")
+    print(f"ratios cemtool/pyhessian: HVPs {cem['hvps'] / ph['hvps']:.3f}, CPU {cem['cpu'] / ph['cpu']:.3f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=2, help="alternating repetitions of each tool (default 2)")
@@ -285,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--converged-steps", type=int, default=1500,
                     help="training steps of the second, converged eigenvalue model (default 1500; 0 = skip)")
     ap.add_argument("--target", type=float, default=1e-4, help="top-k relative error target (default 1e-4)")
+    ap.add_argument("--skip-hf", action="store_true", help="skip the tiny Hugging Face Llama row")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     t_all = time.perf_counter()
@@ -297,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"PyHessian density() without cemtool's shim: {res.errors.get('density') or 'ran'}")
     if not args.skip_trace:
         ok = trace_only(args) and ok
+    if not args.skip_hf:
+        hf_llama_part(args)
     print(f"\ntargets {'met' if ok else 'NOT met'}; total {time.perf_counter() - t_all:.0f} s")
     return 0 if ok else 1
 
