@@ -317,7 +317,16 @@ def test_bad_input_one_line(study, tmp_path):
 # ---------------------------------------------------------------------- bits per byte, named reports, settings
 
 
-def test_bits_per_byte_and_perplexity_beside_the_loss(tmp_path):
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Parameters and FLOPs are not under test here: skip building the models (seconds on a shared CPU)."""
+    import cemtool.analysis.compare as mod
+
+    monkeypatch.setattr(mod, "run_compute", lambda cfg: {"params": 1000, "non_embedding": 800,
+                                                         "flops_per_token": 6000, "flops_forward_per_token": 2000})
+
+
+def test_bits_per_byte_and_perplexity_beside_the_loss(tmp_path, no_compute):
     """val_bpb as training wrote it (eval rows of metrics.jsonl), val_ppl = exp(val_loss), with intervals; a run
     from before bits per byte were recorded gives null and a note."""
     bpb = {"a0": 1.50, "a1": 1.54, "a2": 1.52, "b0": 1.40, "b1": 1.41, "b2": 1.39}
@@ -352,7 +361,7 @@ def sharpness_report(tokens: int, lmax: float, **options) -> dict:
             "eigen": {"top": [lmax], "bottom": [-lmax / 10]}, "traces": []}
 
 
-def test_named_reports_and_mismatched_settings(tmp_path):
+def test_named_reports_and_mismatched_settings(tmp_path, no_compute):
     """compare reads the named report asked for, lists the others, and flags (or with strict refuses) reports
     measured with different settings; device and batch size do not count."""
     for seed, tokens in enumerate((1024, 1024, 4096)):
@@ -382,7 +391,7 @@ def test_named_reports_and_mismatched_settings(tmp_path):
     assert res.exit_code == 1 and res.output.count("Error:") == 1
 
 
-def test_collapse_reports_with_different_options_are_flagged(tmp_path):
+def test_collapse_reports_with_different_options_are_flagged(tmp_path, no_compute):
     for seed, alpha in enumerate((0.5, 1.0)):
         d = fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0, collapse=[(2.0, 0.5)])
         rep = json.loads((d / "reports" / "collapse.json").read_text())

@@ -11,16 +11,24 @@ Per run, what each source provides (absent -> null, and the run is listed under 
 
 - meta.json (written by training): final ``val_loss`` and ``val_floor``, tokens trained, parameters; with
   ``at_tokens``, ``val_loss`` comes from metrics.jsonl instead: the last evaluation at or before that many tokens
-  (``val_tokens`` says which);
+  (``val_tokens`` says which); ``val_bpb`` (bits per byte, comparable across tokenizers) as training wrote it
+  (meta.json, else the evaluation rows of metrics.jsonl; null, with a note, for runs from before it did) and
+  ``val_ppl`` = exp(val_loss);
 - the config: training FLOPs per token (``cemtool.models.lm.flops_per_token`` on a freshly built model, or the
   study's record), total FLOPs = FLOPs/token x tokens;
-- ``reports/sharpness.json``: ``lambda_max`` (largest Hessian eigenvalue), ``lambda_min`` (smallest),
-  ``trace_per_param`` = tr(H)/n (n = parameters; the first trace estimate, with its standard error), and the
-  number of evaluation tokens they used;
-- ``reports/collapse.json``: the last layer's value entropy (Rényi, ``v_entropy``) and value separability
-  (probe accuracy from the values, ``probe_v``, beside chance), and both for every layer (``layers``);
+- ``reports/sharpness.json`` (or the report named by ``names["sharpness"]``): ``lambda_max`` (largest Hessian
+  eigenvalue), ``lambda_min`` (smallest), ``trace_per_param`` = tr(H)/n (n = parameters; the first trace
+  estimate, with its standard error), and the number of evaluation tokens they used;
+- ``reports/collapse.json`` (or ``names["collapse"]``): the last layer's value entropy (Rényi, ``v_entropy``) and
+  value separability (probe accuracy from the values, ``probe_v``, beside chance), and both for every layer
+  (``layers``);
 - a fine-tune's ``reports/forgetting.json``: ``forgetting`` and ``plasticity`` (one target; ``target`` chooses when
   the runs were fine-tuned on several).
+
+Named reports: each run's reports are listed with their analysis and options (:func:`cemtool.report.named_reports`);
+the runs' other reports of an analysis are named in a note, and settings that differ between the compared reports
+of an analysis (evaluation tokens, options, checkpoint; not the device or batch size) are flagged in ``mismatch``
+and a note, or refused with ``strict``.
 
 Runs are grouped by their config without the seed and without the ``model.cem`` / ``model.momentum`` /
 ``model.lime`` sections of other families (which do not change the model; :func:`cemtool.report.run_settings`);
@@ -44,14 +52,17 @@ compare.json schema (``reports/compare.json`` under the output folder)::
 
     {
       "provenance": {...}, "inputs": [str], "target": str | null, "level": 0.95, "at_tokens": int | null,
-      "metrics": {key: column label},
-      "runs": [{"run", "label", "arch", "seed", "val_loss", "val_floor", "tokens", "val_tokens", "params",
+      "metrics": {key: column label}, "reports": {"sharpness": name, "collapse": name},
+      "runs": [{"run", "label", "arch", "seed", "val_loss", "val_bpb", "val_ppl", "val_floor", "tokens",
+                "val_tokens", "params",
                 "non_embedding",
                 "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
                 "trace_per_param", "trace_per_param_se", "sharpness_tokens", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
                 "forgetting_run", "layers": [{"layer", "value_entropy", "separability"}],
-                "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null}}],
+                "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null},
+                "settings": {"sharpness": {option: value}, "collapse": {...}},
+                "other_reports": {"sharpness": [name], "collapse": [name]}}],
       "archs": [{"label", "arch", "n", "seeds": [int], "runs": [str],
                  "<metric>": {"mean", "std", "n"} | null, ...,
                  "layers": [{"layer", "value_entropy": {"mean", "std", "n"} | null, "separability": ...}]}],
@@ -59,6 +70,7 @@ compare.json schema (``reports/compare.json`` under the output folder)::
       "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
       "pairwise_layers": [{"metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
       "missing": {"sharpness": [run], "collapse": [run], "forgetting": [run]},
+      "mismatch": {"sharpness" | "collapse": {option: {value as JSON: [run name]}}},
       "notes": [str]
     }
 """
