@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 
 from cemtool.cli.main import app
 from cemtool.config import resolve
-from cemtool.foreign.export import llama_refusals
+from cemtool.errors import CemtoolError
+from cemtool.foreign.export import pick_target, refusals
 from cemtool.models.registry import build_model
 
 from conftest import train_tiny
@@ -38,7 +39,6 @@ def transformers_logits_match(run, out):
 
     loaded = load_run(run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    assert type(hf).__name__ == "LlamaForCausalLM"
     idx = torch.randint(0, loaded.config.model.vocab_size, (3, loaded.config.model.max_seq_len),
                         generator=torch.Generator().manual_seed(1))  # (3, T)
     with torch.no_grad():
@@ -57,6 +57,7 @@ def test_export_round_trip_tied(tmp_path, tied_run, text_file):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "hf"])  # nothing outside DIR
     assert sorted(p.name for p in out.iterdir()) == sorted(info["files"])
     loaded, hf = transformers_logits_match(tied_run, out)
+    assert type(hf).__name__ == "LlamaForCausalLM"
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     text = open(text_file, encoding="utf-8").read()[:300]
@@ -75,6 +76,27 @@ def test_export_untied_head_dim_rope_base_eps_and_uniform_head_lists(tmp_path, t
     assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
 
 
+def test_gpt2_style_baseline_exports_as_gpt2_at_any_checkpoint(tmp_path, text_file):
+    from safetensors.numpy import load_file
+
+    from cemtool.runs import load_run
+
+    run = train_tiny(tmp_path / "run", data=text_file,
+                     extra=[*QUICK, "model.norm=layernorm", "model.pos=learned", "model.mlp=gelu",
+                            "model.norm_eps=1e-4", "model.tie_embeddings=false", "train.eval_every=1"])
+    assert export(run, tmp_path / "hf").exit_code == 0
+    _, hf = transformers_logits_match(run, tmp_path / "hf")
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    res = export(run, tmp_path / "hf1", "--checkpoint", "1")  # the step-1 weights, not the final ones
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["architecture"] == "GPT2LMHeadModel"
+    w = load_file(str(tmp_path / "hf1" / "model.safetensors"))
+    assert not w["transformer.h.0.attn.c_attn.bias"].any() and w["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
+    step1, final = (load_run(run, c).model.tok_emb.weight.detach().numpy() for c in ("1", "final"))
+    np.testing.assert_array_equal(w["transformer.wte.weight"], step1)
+    assert not np.array_equal(step1, final)
+
+
 def test_exported_model_has_the_runs_lambda_max(tmp_path, tied_run, text_file):
     pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
     out = tmp_path / "hf"
@@ -91,18 +113,22 @@ def test_exported_model_has_the_runs_lambda_max(tmp_path, tied_run, text_file):
 
 
 @pytest.mark.parametrize("sets, words", [
-    (["model.norm=layernorm", "model.pos=learned", "model.mlp=gelu"],
-     ["model.norm=layernorm", "model.pos=learned", "model.mlp=gelu"]),
+    (["model.pos=learned"], ["as LlamaForCausalLM: model.pos=learned (needs rope)", "as GPT2LMHeadModel: "
+                             "model.norm=rmsnorm (needs layernorm), model.mlp=swiglu (needs gelu)"]),
     (["model.alloc_strategy=early-heavy"], ["per-layer (heads, head_dim)", "early-heavy"]),
     (["model.heads=[2,4]"], ["explicit model.heads/head_dims"]),
     (["model.n_head=3", "model.head_dim=8"], ["3 heads do not divide model.d_model=128"]),
+    (["model.norm=layernorm", "model.pos=learned", "model.mlp=gelu", "model.head_dim=16"],
+     ["4 heads of size 16 are not model.d_model=128 wide"]),
 ])
-def test_what_llama_cannot_express_is_named(sets, words):
+def test_what_no_standard_architecture_expresses_is_named(sets, words):
     cfg = resolve(overrides=["model.n_layer=2", *sets, "model.vocab_size=50", "model.max_seq_len=64"])
-    why = "; ".join(llama_refusals(build_model(cfg.model)))
+    with pytest.raises(CemtoolError) as e:
+        pick_target(build_model(cfg.model))
     for w in words:
-        assert w in why, why
-    assert llama_refusals(build_model(resolve(overrides=["model.vocab_size=50", "model.max_seq_len=64"]).model)) == []
+        assert w in str(e.value), str(e.value)
+    default = build_model(resolve(overrides=["model.vocab_size=50", "model.max_seq_len=64"]).model)
+    assert refusals(default, "LlamaForCausalLM") == [] and pick_target(default) == "LlamaForCausalLM"
 
 
 def one_line_error(res, code, *words):

@@ -1,6 +1,7 @@
-"""Export a cemtool run as a standard Hugging Face directory: ``LlamaForCausalLM``, loaded without custom code.
+"""Export a cemtool run as a standard Hugging Face directory that transformers loads without custom code.
 
-The baseline block (METHODS §1) with RoPE, RMSNorm and SwiGLU is Llama's decoder layer, name for name::
+The baseline block (METHODS §1) with RoPE, RMSNorm and SwiGLU is Llama's decoder layer, name for name, as
+``LlamaForCausalLM``::
 
     tok_emb                        -> model.embed_tokens
     blocks.N.ln1 / ln2             -> model.layers.N.input_layernorm / post_attention_layernorm
@@ -13,13 +14,21 @@ No weight is permuted: cemtool's RoPE rotates the planes (i, i + d_h/2) of each 
 ``rotate_half`` convention, with the same frequencies base^(-2i/d_h). Both scale scores by 1/sqrt(d_h), apply
 x * rsqrt(mean(x²) + eps) * weight with the same eps, compute down(silu(gate x) * up x), and have no biases.
 The uniform allocation of heads is one ``num_attention_heads`` and one ``head_dim`` (set explicitly, so
-head_dim * heads may differ from the width, though transformers requires the heads to divide the width);
-per-layer head counts or sizes (``early-heavy``, ``late-lowrank``, explicit lists) cannot be said in a LlamaConfig
-and are refused, as are LayerNorm, learned positions, GELU and every other family, by one line naming them.
+head_dim * heads may differ from the width, though transformers requires the heads to divide the width).
+
+The baseline with LayerNorm, learned positions and GELU is GPT-2's block, as ``GPT2LMHeadModel``: tok_emb/pos_emb
+-> transformer.wte/wpe, ln1/ln2 -> ln_1/ln_2, wq|wk|wv stacked -> attn.c_attn, wo -> attn.c_proj, up/down ->
+mlp.c_fc/c_proj (Conv1D weights are the transpose of nn.Linear's), ln_f -> transformer.ln_f, with exact GELU
+(``activation_function="gelu"``), no dropout, and zero biases on the projections (GPT-2 has them, cemtool does
+not: the exported model has those extra, zero, parameters). Its head size must be the width / heads.
+
+Per-layer head counts or sizes (``early-heavy``, ``late-lowrank``, explicit lists) cannot be said in either
+config, and mixtures (RoPE with LayerNorm, ...) and every other family have no standard equivalent: they are
+refused by one line naming what stands in the way.
 
 The directory holds config.json, model.safetensors (fp32, metadata naming the run and step) and, from the run's
 tokenizer, tokenizer.json and tokenizer_config.json (``PreTrainedTokenizerFast``). Before it returns, the export
-loads the directory with ``LlamaForCausalLM.from_pretrained`` and compares its logits with the run's on random
+loads the directory with ``AutoModelForCausalLM.from_pretrained`` and compares its logits with the run's on random
 sequences (fp32: max |difference| <= 1e-5 max(1, max |logit|), float rounding of an exact mapping); on a mismatch
 it removes what it wrote and fails.
 """
@@ -40,11 +49,14 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgp
 
 
 # --------------------------------------------------------------------------------------------------------------
-# what Llama can express
+# what each standard architecture can express
+
+NEEDS = {"LlamaForCausalLM": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu"},
+         "GPT2LMHeadModel": {"norm": "layernorm", "pos": "learned", "mlp": "gelu"}}
 
 
-def llama_refusals(model) -> list[str]:
-    """Why this cemtool model is not a LlamaForCausalLM (empty: it is one)."""
+def refusals(model, target: str) -> list[str]:
+    """Why this cemtool model is not a ``target`` (empty: it is one)."""
     from cemtool.models.allocation import layer_shapes
     from cemtool.models.baseline import Block
     from cemtool.models.lm import LM
@@ -55,17 +67,31 @@ def llama_refusals(model) -> list[str]:
 
         return [f"architecture {cfg.arch} (family {get_arch(cfg.arch).family}) has no standard transformers "
                 f"equivalent; only the baseline block is exported"]
-    why = [f"model.{name}={value}" for name, value, ok in (("norm", cfg.norm, "rmsnorm"), ("pos", cfg.pos, "rope"),
-                                                            ("mlp", cfg.mlp, "swiglu")) if value != ok]
+    why = [f"model.{k}={getattr(cfg, k)} (needs {v})" for k, v in NEEDS[target].items() if getattr(cfg, k) != v]
     shapes = layer_shapes(cfg)
+    (H, dh) = shapes[0]
     if len(set(shapes)) > 1:
         why.append(f"per-layer (heads, head_dim) {shapes} (alloc_strategy={cfg.alloc_strategy}"
-                   f"{', explicit model.heads/head_dims' if cfg.heads or cfg.head_dims else ''}): a LlamaConfig "
-                   f"has one num_attention_heads and one head_dim")
-    elif cfg.d_model % shapes[0][0]:
-        why.append(f"{shapes[0][0]} heads do not divide model.d_model={cfg.d_model} (LlamaConfig requires it, even "
-                   f"with its own head_dim)")
+                   f"{', explicit model.heads/head_dims' if cfg.heads or cfg.head_dims else ''}): its config has one "
+                   f"head count and one head size")
+    elif target == "LlamaForCausalLM" and cfg.d_model % H:
+        why.append(f"{H} heads do not divide model.d_model={cfg.d_model} (LlamaConfig requires it, even with its "
+                   f"own head_dim)")
+    elif target == "GPT2LMHeadModel" and H * dh != cfg.d_model:
+        why.append(f"{H} heads of size {dh} are not model.d_model={cfg.d_model} wide (GPT-2's head size is the "
+                   f"width / heads)")
     return why
+
+
+def pick_target(model) -> str:
+    """The standard architecture that expresses this model, or a one-line refusal naming what stands in the way."""
+    why = {t: refusals(model, t) for t in NEEDS}
+    for t, w in why.items():
+        if not w:
+            return t
+    if why["LlamaForCausalLM"][0].startswith("architecture"):
+        raise CemtoolError(f"cannot export: {why['LlamaForCausalLM'][0]}")
+    raise CemtoolError("cannot export: " + "; ".join(f"as {t}: {', '.join(w)}" for t, w in why.items()))
 
 
 def llama_config(model) -> dict:
@@ -84,8 +110,29 @@ def llama_config(model) -> dict:
             "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
 
 
+def gpt2_config(model) -> dict:
+    """config.json of the equivalent GPT2LMHeadModel (exact GELU, no dropout)."""
+    cfg = model.cfg
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
+            "n_embd": cfg.d_model, "n_layer": cfg.n_layer, "n_head": model.blocks[0].attn.n_head,
+            "n_inner": model.blocks[0].mlp.up.out_features, "n_positions": cfg.max_seq_len,
+            "activation_function": "gelu", "layer_norm_epsilon": cfg.norm_eps, "initializer_range": cfg.init_std,
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "scale_attn_weights": True,
+            "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+            "tie_word_embeddings": bool(cfg.tie_embeddings), "use_cache": True, "bos_token_id": None,
+            "eos_token_id": None, "pad_token_id": None, "torch_dtype": "float32"}
+
+
+def _complete(model, used: set[str], out: dict[str, torch.Tensor], target: str) -> dict[str, torch.Tensor]:
+    """Refuse a parameter the target has no place for (rather than drop it); fp32, contiguous, no shared memory."""
+    unmapped = sorted(set(dict(model.named_parameters())) - used)  # shared tensors once: a tied head is tok_emb
+    if unmapped:
+        raise CemtoolError(f"cannot export parameters {', '.join(unmapped)}: {target} has no place for them")
+    return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in out.items()}
+
+
 def llama_state_dict(model) -> dict[str, torch.Tensor]:
-    """Llama's tensor names for every cemtool parameter (fp32, contiguous, sharing no memory)."""
+    """Llama's tensor names for every cemtool parameter, unchanged."""
     names = {"tok_emb.weight": "model.embed_tokens.weight", "ln_f.weight": "model.norm.weight"}
     if not model.cfg.tie_embeddings:
         names["head.weight"] = "lm_head.weight"
@@ -95,12 +142,43 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
     for i in range(len(model.blocks)):
         for ours, theirs in parts.items():
             names[f"blocks.{i}.{ours}.weight"] = f"model.layers.{i}.{theirs}.weight"
-    params = dict(model.named_parameters())  # shared tensors once: a tied head is tok_emb
-    unmapped = sorted(set(params) - set(names))
-    if unmapped:  # a parameter Llama has no place for: refuse rather than drop it
-        raise CemtoolError(f"cannot export parameters {', '.join(unmapped)}: LlamaForCausalLM has no place for them")
-    return {theirs: params[ours].detach().to("cpu", torch.float32).contiguous().clone()
-            for ours, theirs in names.items()}
+    p = dict(model.named_parameters())
+    return _complete(model, set(names), {theirs: p[ours] for ours, theirs in names.items()}, "LlamaForCausalLM")
+
+
+def gpt2_state_dict(model) -> dict[str, torch.Tensor]:
+    """GPT-2's tensors: Conv1D weights are (in, out), the transpose of nn.Linear's; q, k, v are stacked in c_attn;
+    the projections' biases, which cemtool's layers do not have, are zeros."""
+    p = dict(model.named_parameters())
+    out = {"transformer.wte.weight": p["tok_emb.weight"], "transformer.wpe.weight": p["pos_emb.weight"]}
+    used = {"tok_emb.weight", "pos_emb.weight"}
+
+    def take(ours: str, theirs: str) -> None:
+        out[theirs] = p[ours]
+        used.add(ours)
+
+    def conv1d(ours: list[str], theirs: str) -> None:
+        w = torch.cat([p[f"{o}.weight"] for o in ours], dim=0)  # (out, in)
+        out[f"{theirs}.weight"], out[f"{theirs}.bias"] = w.T, w.new_zeros(w.shape[0])  # (in, out), (out,)
+        used.update(f"{o}.weight" for o in ours)
+
+    for i in range(len(model.blocks)):
+        b, h = f"blocks.{i}", f"transformer.h.{i}"
+        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
+            take(f"{b}.{ours}.weight", f"{h}.{theirs}.weight")
+            take(f"{b}.{ours}.bias", f"{h}.{theirs}.bias")
+        conv1d([f"{b}.attn.wq", f"{b}.attn.wk", f"{b}.attn.wv"], f"{h}.attn.c_attn")
+        conv1d([f"{b}.attn.wo"], f"{h}.attn.c_proj")
+        conv1d([f"{b}.mlp.up"], f"{h}.mlp.c_fc")
+        conv1d([f"{b}.mlp.down"], f"{h}.mlp.c_proj")
+    take("ln_f.weight", "transformer.ln_f.weight")
+    take("ln_f.bias", "transformer.ln_f.bias")
+    if not model.cfg.tie_embeddings:
+        take("head.weight", "lm_head.weight")
+    return _complete(model, used, out, "GPT2LMHeadModel")
+
+
+TARGETS = {"LlamaForCausalLM": (llama_config, llama_state_dict), "GPT2LMHeadModel": (gpt2_config, gpt2_state_dict)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -134,13 +212,15 @@ def _write_tokenizer(loaded, out: Path) -> list[str]:
 
 
 @torch.no_grad()
-def logits_difference(model, out: Path, sequences: int = 2, seed: int = 0) -> tuple[float, float]:
-    """(max |logits of the exported directory (LlamaForCausalLM.from_pretrained, fp32) - the run's|, max |logit|)
-    on random sequences of max_seq_len tokens."""
+def logits_difference(model, out: Path, target: str, sequences: int = 2, seed: int = 0) -> tuple[float, float]:
+    """(max |logits of the exported directory (AutoModelForCausalLM.from_pretrained, fp32) - the run's|,
+    max |logit|) on random sequences of max_seq_len tokens."""
     from cemtool.foreign.loader import _transformers
 
-    hf = _transformers().LlamaForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
-                                                          use_safetensors=True).eval()
+    hf = _transformers().AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
+                                                              use_safetensors=True).eval()
+    if type(hf).__name__ != target:
+        raise CemtoolError(f"transformers loaded the export as {type(hf).__name__}, not {target}")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, model.cfg.vocab_size, (sequences, model.cfg.max_seq_len), generator=g)  # (n, T)
     ours = model.float()(idx)  # (n, T, V)
@@ -149,31 +229,31 @@ def logits_difference(model, out: Path, sequences: int = 2, seed: int = 0) -> tu
 
 
 def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force: bool = False) -> dict:
-    """Write the run's model as a LlamaForCausalLM directory ``out``; return what was written and the logits check.
-    Nothing is written outside ``out``; a non-empty ``out`` needs ``force``."""
+    """Write the run's model as a standard transformers directory ``out`` (LlamaForCausalLM, else
+    GPT2LMHeadModel); return what was written and the logits check. Nothing is written outside ``out``; a non-empty
+    ``out`` needs ``force``."""
     from safetensors.torch import save
 
     from cemtool.foreign.loader import _transformers
 
     _transformers()  # the check below needs it: fail before writing anything
-    loaded = load_run(run)
+    loaded = load_run(run, checkpoint)
     model, out = loaded.model, Path(out)
-    why = llama_refusals(model)
-    if why:
-        raise CemtoolError(f"run {loaded.run.path} cannot be exported as LlamaForCausalLM: {'; '.join(why)}")
+    target = pick_target(model)
     _check_target(out, loaded.run.path, force)
-    tensors = llama_state_dict(model)
+    config_of, tensors_of = TARGETS[target]
+    tensors = tensors_of(model)
     meta = {"format": "pt", "cemtool_run": str(loaded.run.path.resolve()), "cemtool_arch": model.cfg.arch,
             "cemtool_checkpoint": loaded.checkpoint.name, "cemtool_step": str(loaded.step)}
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
     try:
-        atomic_write_json(out / "config.json", llama_config(model))
+        atomic_write_json(out / "config.json", config_of(model))
         written.append("config.json")
         atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=meta))
         written.append("model.safetensors")
         written += _write_tokenizer(loaded, out)
-        diff, scale = logits_difference(model, out)
+        diff, scale = logits_difference(model, out, target)
         if not diff <= TOLERANCE * max(1.0, scale):
             raise CemtoolError(f"the exported model's logits differ from the run's by {diff:.3g} (max |logit| "
                                f"{scale:.3g}); nothing was kept in {out}", hint="report it: the mapping is exact")
@@ -182,7 +262,7 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
             (out / name).unlink(missing_ok=True)
         raise
     return {"run": str(loaded.run.path), "checkpoint": loaded.checkpoint.name, "step": loaded.step,
-            "arch": model.cfg.arch, "format": "hf", "architecture": "LlamaForCausalLM", "out": str(out),
-            "files": written, "parameters": sum(t.numel() for t in tensors.values()),
+            "arch": model.cfg.arch, "format": "hf", "architecture": target, "out": str(out), "files": written,
+            "parameters": sum(t.numel() for t in tensors.values()),
             "tie_word_embeddings": bool(model.cfg.tie_embeddings), "logits_max_abs_diff": diff,
             "logits_max_abs": scale, "transformers": _transformers().__version__}
