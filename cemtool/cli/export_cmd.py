@@ -20,8 +20,9 @@ def export(
     run: Annotated[Path, typer.Argument(help="run directory (from `cemtool train`)")],
     out: Annotated[Path, typer.Argument(help="directory to write (new or empty; --force to write into a "
                                              "non-empty one)")],
-    to: Annotated[str, typer.Option("--to", help="format: hf = a standard Hugging Face LlamaForCausalLM "
-                                                 "directory")] = "hf",
+    to: Annotated[str, typer.Option("--to", help="format: hf = a standard Hugging Face directory "
+                                                 "(LlamaForCausalLM, or GPT2LMHeadModel for a GPT-2-style baseline)")]
+    = "hf",
     checkpoint: Annotated[str, typer.Option(help="final, latest, a step number, or a checkpoint file")] = "final",
     force: Annotated[bool, typer.Option(help="write into a non-empty directory (its files of the same names are "
                                              "replaced)")] = False,
