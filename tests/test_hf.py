@@ -119,6 +119,13 @@ def test_every_analysis_runs_on_every_family(hf_models, text_file, word_text, fa
     kv = {"gpt2": 2, "gpt_neox": 2, "llama": 2, "mistral": 1, "qwen2": 2}[family]
     assert all(e["values"]["heads"] == kv for e in layers)  # values per key-value head
     assert all(len(e["attention"]["per_head"]) == (2 if family in ("gpt2", "gpt_neox") else 4) for e in layers)
+    for e in layers:  # GQA/MQA: statistics per key-value head, the mean over the query heads that read it
+        att = e["attention"]
+        assert ("per_kv_head" in att) == (kv < len(att["per_head"]))
+        for g in att.get("per_kv_head", []):
+            mine = [r for r in att["per_head"] if r["kv_head"] == g["kv_head"]]
+            assert [r["head"] for r in mine] == g["query_heads"] and len(mine) == 4 // kv
+            assert g["entropy"] == pytest.approx(np.mean([r["entropy"] for r in mine]), rel=1e-12)
 
 
 def test_parameter_subsets_by_cemtool_and_by_the_models_own_names(hf_models):

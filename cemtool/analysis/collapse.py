@@ -207,6 +207,27 @@ def summarise_attention(sums: torch.Tensor, n_seq: int) -> dict:
             "context_length": list(range(1, T + 1))}
 
 
+def kv_groups(att: dict, attn: torch.nn.Module | None) -> None:
+    """Grouped- or multi-query attention (an attention module with ``n_kv_head`` < its query heads, e.g. a Llama
+    loaded by cemtool.foreign): add ``per_kv_head``, each key-value head's statistics averaged over the query heads
+    that read it (query head h reads key-value head h // (H / n_kv_head)), and ``kv_head`` to each query head's row."""
+    H, kv = len(att["per_head"]), getattr(attn, "n_kv_head", None)
+    if not kv or kv >= H or H % kv:
+        return
+    group = H // kv
+    for row in att["per_head"]:
+        row["kv_head"] = row["head"] // group
+    att["per_kv_head"] = []
+    for g in range(kv):
+        rows = att["per_head"][g * group:(g + 1) * group]
+        out = {"kv_head": g, "query_heads": [r["head"] for r in rows]}
+        for f in rows[0]:
+            if f not in ("head", "kv_head"):
+                vals = [r[f] for r in rows if r[f] is not None]
+                out[f] = float(np.mean(vals)) if vals else None
+        att["per_kv_head"].append(out)
+
+
 def _jsonable(a: np.ndarray) -> list:
     return [[None if not np.isfinite(v) else float(v) for v in row] for row in np.asarray(a)]
 
@@ -637,6 +658,8 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
         entry["probe"] = probe
         entry["attention"] = summarise_attention(a.attn, n_seq) if a.attn is not None else \
             f"not applicable: no hook point blocks.{i}.attn.pattern"
+        if a.attn is not None and hasattr(model, "blocks"):
+            kv_groups(entry["attention"], getattr(model.blocks[i], "attn", None))
         if p.routing in routed:
             total, tokens = routed[p.routing]
             entry["routing_mean"] = (total / max(tokens, 1)).tolist()  # (H, S) the mix averaged over tokens
