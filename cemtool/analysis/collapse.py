@@ -281,13 +281,18 @@ MIN_PER_CLASS = 16  # fewest samples per class the probe accepts (fewer: the pro
 
 
 def word_start_id(tokenizer, word: str) -> int | None:
-    """The one token the tokenizer writes for ``word`` at a word start (what it makes of " word"), else None.
-    A byte-level BPE's `` is`` (``Ġis``) qualifies; its bare ``is``, which also ends ``th|is``, does not."""
-    try:
-        ids = tokenizer.encode(" " + word)
-    except Exception:  # noqa: BLE001  (a word-level tokenizer without an unknown token raises on new words)
-        return None
-    return int(ids[0]) if len(ids) == 1 else None
+    """The one token the tokenizer writes for ``word`` at a word start, else None: what it makes of " word" (or,
+    when that is not one token, of "word"), provided that token does not continue a word
+    (:func:`continues_word`). A byte-level BPE's `` is`` (GPT-2's ``Ġis``) qualifies; its bare ``is``, which also
+    ends ``th|is``, does not; a SentencePiece-style ``▁is`` does, whichever text gave it."""
+    for text in (" " + word, word):
+        try:
+            ids = tokenizer.encode(text)
+        except Exception:  # noqa: BLE001  (a word-level tokenizer without an unknown token raises on new words)
+            return None
+        if len(ids) == 1:
+            return None if continues_word(tokenizer, ids[0]) else int(ids[0])
+    return None
 
 
 def continues_word(tokenizer, i: int) -> bool:
