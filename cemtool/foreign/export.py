@@ -55,21 +55,27 @@ NEEDS = {"LlamaForCausalLM": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu"}
          "GPT2LMHeadModel": {"norm": "layernorm", "pos": "learned", "mlp": "gelu"}}
 
 
-def refusals(model, target: str) -> list[str]:
-    """Why this cemtool model is not a ``target`` (empty: it is one)."""
-    from cemtool.models.allocation import layer_shapes
+def family_refusal(model) -> str | None:
+    """Why this model's layers have no standard equivalent (None: it is the baseline block)."""
     from cemtool.models.baseline import Block
     from cemtool.models.lm import LM
+    from cemtool.models.registry import get_arch
+
+    if type(model) is LM and all(type(b) is Block for b in model.blocks):
+        return None
+    arch = model.cfg.arch
+    return (f"architecture {arch} (family {get_arch(arch).family}) has no standard transformers equivalent; only "
+            f"the baseline block is exported")
+
+
+def refusals(model, target: str) -> list[str]:
+    """Why this baseline model is not a ``target`` (empty: it is one)."""
+    from cemtool.models.allocation import layer_shapes
 
     cfg = model.cfg
-    if type(model) is not LM or not all(type(b) is Block for b in model.blocks):
-        from cemtool.models.registry import get_arch
-
-        return [f"architecture {cfg.arch} (family {get_arch(cfg.arch).family}) has no standard transformers "
-                f"equivalent; only the baseline block is exported"]
     why = [f"model.{k}={getattr(cfg, k)} (needs {v})" for k, v in NEEDS[target].items() if getattr(cfg, k) != v]
     shapes = layer_shapes(cfg)
-    (H, dh) = shapes[0]
+    H, dh = shapes[0]
     if len(set(shapes)) > 1:
         why.append(f"per-layer (heads, head_dim) {shapes} (alloc_strategy={cfg.alloc_strategy}"
                    f"{', explicit model.heads/head_dims' if cfg.heads or cfg.head_dims else ''}): its config has one "
@@ -83,15 +89,16 @@ def refusals(model, target: str) -> list[str]:
     return why
 
 
-def pick_target(model) -> str:
+def pick_target(model, label: str = "the model") -> str:
     """The standard architecture that expresses this model, or a one-line refusal naming what stands in the way."""
+    family = family_refusal(model)
+    if family:
+        raise CemtoolError(f"cannot export {label}: {family}")
     why = {t: refusals(model, t) for t in NEEDS}
     for t, w in why.items():
         if not w:
             return t
-    if why["LlamaForCausalLM"][0].startswith("architecture"):
-        raise CemtoolError(f"cannot export: {why['LlamaForCausalLM'][0]}")
-    raise CemtoolError("cannot export: " + "; ".join(f"as {t}: {', '.join(w)}" for t, w in why.items()))
+    raise CemtoolError(f"cannot export {label}: " + "; ".join(f"as {t}: {', '.join(w)}" for t, w in why.items()))
 
 
 def llama_config(model) -> dict:
@@ -239,7 +246,7 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
     _transformers()  # the check below needs it: fail before writing anything
     loaded = load_run(run, checkpoint)
     model, out = loaded.model, Path(out)
-    target = pick_target(model)
+    target = pick_target(model, f"run {loaded.run.path}")
     _check_target(out, loaded.run.path, force)
     config_of, tensors_of = TARGETS[target]
     tensors = tensors_of(model)
