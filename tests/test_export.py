@@ -169,3 +169,17 @@ def test_exported_weights_are_the_checkpoints(tmp_path, tied_run):
     np.testing.assert_array_equal(w["model.layers.1.self_attn.q_proj.weight"], sd["blocks.1.attn.wq.weight"].numpy())
     np.testing.assert_array_equal(w["model.layers.0.mlp.gate_proj.weight"], sd["blocks.0.mlp.gate.weight"].numpy())
     assert "lm_head.weight" not in w  # tied
+
+
+def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, tied_run):
+    pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
+    out = tmp_path / "hf"
+    assert export(tied_run, out).exit_code == 0
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02\x00\x03")
+    np.array([1, 2, 3, 255, 300] * 40, dtype=np.uint16).tofile(tmp_path / "oov.bin")  # byte tokenizer: 256 ids
+    for data, words in (("odd.bin", ["5 bytes", "not a multiple of 2"]),
+                        ("oov.bin", ["token id 300 at position 4", "outside the vocabulary", "0..255"])):
+        res = runner.invoke(app, ["sharpness", str(out), "--data", str(tmp_path / data), "--tokens", "64"])
+        lines = one_line_error(res, 1, *words)
+        assert lines[0].startswith("Error: ")
+        assert not (out / "reports").exists() and not (out / "plots").exists()
