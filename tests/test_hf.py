@@ -361,3 +361,13 @@ def test_without_transformers_the_error_names_the_extra(hf_models, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     one_line_error(invoke("sharpness", hf_models["gpt2"], "--quick"), 'pip install -e ".[hf]"')
+
+
+def test_token_ids_outside_the_models_vocabulary_are_refused(hf_models):
+    from cemtool.errors import CemtoolError
+
+    model = load_run(hf_models["gpt2"]).model
+    with pytest.raises(CemtoolError, match="outside the model's vocabulary of 256"):
+        model(torch.tensor([[1, 2, 256]]))
+    with pytest.raises(CemtoolError, match="longer than"):
+        model(torch.zeros(1, 17, dtype=torch.long))

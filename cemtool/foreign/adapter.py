@@ -293,6 +293,9 @@ class ForeignLM(nn.Module):
         if idx.shape[1] > self.max_seq_len:
             raise CemtoolError(f"sequence of {idx.shape[1]} tokens is longer than the model's "
                                f"max_position_embeddings {self.max_seq_len}")
+        if idx.numel() and int(idx.max()) >= self.cfg.vocab_size:
+            raise CemtoolError(f"token id {int(idx.max())} is outside the model's vocabulary of {self.cfg.vocab_size}",
+                               hint="evaluate on data tokenised with the model's own tokenizer")
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
     def num_params(self) -> dict[str, int]:
