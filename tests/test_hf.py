@@ -371,3 +371,28 @@ def test_token_ids_outside_the_models_vocabulary_are_refused(hf_models):
         model(torch.tensor([[1, 2, 256]]))
     with pytest.raises(CemtoolError, match="longer than"):
         model(torch.zeros(1, 17, dtype=torch.long))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_values_replaced_at_hook_points_change_the_model_as_the_same_change_inside_transformers(hf_models, family):
+    """Zeroing blocks.0.attn.z (and doubling blocks.1.resid_pre) through hooks on cemtool's hook points gives the
+    logits of the same edit made on the transformers modules themselves."""
+    model = load_run(hf_models[family]).model
+    x = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        base = model(x)
+        handles = [model.get_submodule("blocks.0.attn.z").register_forward_hook(lambda m, i, z: torch.zeros_like(z)),
+                   model.get_submodule("blocks.1.resid_pre").register_forward_hook(lambda m, i, r: 2 * r)]
+        ours = model(x)
+        for h in handles:
+            h.remove()
+        layers = model.hf.model.layers if family == "llama" else model.hf.gpt_neox.layers
+        out_proj = layers[0].self_attn.o_proj if family == "llama" else layers[0].attention.dense
+        handles = [out_proj.register_forward_pre_hook(lambda m, a: (torch.zeros_like(a[0]),)),
+                   layers[1].register_forward_pre_hook(lambda m, a: (2 * a[0], *a[1:]))]
+        theirs = model.hf(input_ids=x).logits
+        for h in handles:
+            h.remove()
+        assert torch.equal(model(x), base)  # nothing left behind
+    assert (ours - base).abs().max() > 1e-3
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)

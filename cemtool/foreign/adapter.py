@@ -68,6 +68,7 @@ class Family:
 
     name = "?"
     model_types: tuple[str, ...] = ()
+    norm, mlp_kind = "layernorm", "gelu"  # what cemtool's ModelConfig calls the family's norm and MLP
 
     def backbone(self, hf: nn.Module) -> Backbone:
         raise NotImplementedError
@@ -285,7 +286,10 @@ class ForeignLM(nn.Module):
         c = hf.config
         self.cfg = ModelConfig(arch=arch, n_layer=len(self.blocks), d_model=int(c.hidden_size), n_head=shape.n_head,
                                head_dim=shape.head_dim, vocab_size=int(c.vocab_size), max_seq_len=self.max_seq_len,
-                               pos="rope" if shape.rotary_dims else "learned",
+                               pos="rope" if shape.rotary_dims else "learned", norm=fam.norm, mlp=fam.mlp_kind,
+                               attn_impl="explicit",  # eager attention: probabilities and double backward
+                               mlp_hidden=int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+                                              or 4 * c.hidden_size),
                                tie_embeddings=parts.head.weight is parts.tok_emb.weight)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from cemtool.foreign.adapter import Backbone, Family, Projection, Shape
 class LlamaLike(Family):
     name = "llama"
     model_types = ("llama", "mistral", "qwen2")
+    norm, mlp_kind = "rmsnorm", "swiglu"
 
     def backbone(self, hf):
         return Backbone(hf.get_input_embeddings(), None, hf.model.layers, hf.model.norm, hf.get_output_embeddings())
