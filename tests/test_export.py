@@ -33,6 +33,16 @@ def export(run, out, *extra):
     return runner.invoke(app, ["export", str(run), "--to", "hf", str(out), "--json", *extra])
 
 
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tied_run):
+    """(DIR, export's --json result) of the tied run, exported into a fresh folder that holds nothing else."""
+    parent = tmp_path_factory.mktemp("exported")
+    res = export(tied_run, parent / "hf")
+    assert res.exit_code == 0, res.output
+    assert [p.name for p in parent.iterdir()] == ["hf"]  # nothing written outside DIR
+    return parent / "hf", json.loads(res.stdout)
+
+
 def transformers_logits_match(run, out):
     """Logits of transformers' own AutoModelForCausalLM on the directory against the run's, on random sequences."""
     from cemtool.runs import load_run
@@ -47,21 +57,22 @@ def transformers_logits_match(run, out):
     return loaded, hf
 
 
-def test_export_round_trip_tied(tmp_path, tied_run, text_file):
-    before = sorted(p.name for p in tmp_path.iterdir())
-    out = tmp_path / "hf"
-    res = export(tied_run, out)
-    assert res.exit_code == 0, res.output
-    info = json.loads(res.stdout)
+def test_export_round_trip_tied(exported, tied_run, text_file):
+    from safetensors.numpy import load_file
+
+    out, info = exported
     assert info["architecture"] == "LlamaForCausalLM" and info["tie_word_embeddings"] is True
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*before, "hf"])  # nothing outside DIR
-    assert sorted(p.name for p in out.iterdir()) == sorted(info["files"])
+    assert sorted(p.name for p in out.iterdir() if p.is_file()) == sorted(info["files"])
     loaded, hf = transformers_logits_match(tied_run, out)
     assert type(hf).__name__ == "LlamaForCausalLM"
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     text = open(text_file, encoding="utf-8").read()[:300]
     assert tok(text)["input_ids"] == loaded.tokenizer.encode(text)
+    w, sd = load_file(str(out / "model.safetensors")), loaded.model.state_dict()  # the checkpoint's weights, as is
+    np.testing.assert_array_equal(w["model.layers.1.self_attn.q_proj.weight"], sd["blocks.1.attn.wq.weight"].numpy())
+    np.testing.assert_array_equal(w["model.layers.0.mlp.gate_proj.weight"], sd["blocks.0.mlp.gate.weight"].numpy())
+    assert "lm_head.weight" not in w  # tied
 
 
 def test_export_untied_head_dim_rope_base_eps_and_uniform_head_lists(tmp_path, text_file):
@@ -97,10 +108,9 @@ def test_gpt2_style_baseline_exports_as_gpt2_at_any_checkpoint(tmp_path, text_fi
     assert not np.array_equal(step1, final)
 
 
-def test_exported_model_has_the_runs_lambda_max(tmp_path, tied_run, text_file):
+def test_exported_model_has_the_runs_lambda_max(exported, tied_run, text_file):
     pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
-    out = tmp_path / "hf"
-    assert export(tied_run, out).exit_code == 0
+    out = exported[0]
     opts = ["--tokens", "128", "--trace-hvps", "0", "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0",
             "--avg-rho", "0", "--top-k", "1", "--bottom-k", "0", "--tol", "1e-9", "--json", "--no-plots"]
     lam = []
@@ -158,23 +168,10 @@ def test_other_families_and_bad_targets_are_refused(tmp_path, tied_run, text_fil
     assert not (tmp_path / "y").exists()
 
 
-def test_exported_weights_are_the_checkpoints(tmp_path, tied_run):
-    from safetensors.numpy import load_file
-
-    from cemtool.runs import load_run
-
-    assert export(tied_run, tmp_path / "hf").exit_code == 0
-    w = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    sd = load_run(tied_run).model.state_dict()
-    np.testing.assert_array_equal(w["model.layers.1.self_attn.q_proj.weight"], sd["blocks.1.attn.wq.weight"].numpy())
-    np.testing.assert_array_equal(w["model.layers.0.mlp.gate_proj.weight"], sd["blocks.0.mlp.gate.weight"].numpy())
-    assert "lm_head.weight" not in w  # tied
-
-
-def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, tied_run):
+def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, exported):
     pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
-    out = tmp_path / "hf"
-    assert export(tied_run, out).exit_code == 0
+    out = exported[0]
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02\x00\x03")
     np.array([1, 2, 3, 255, 300] * 40, dtype=np.uint16).tofile(tmp_path / "oov.bin")  # byte tokenizer: 256 ids
     for data, words in (("odd.bin", ["5 bytes", "not a multiple of 2"]),
@@ -182,4 +179,4 @@ def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, tied_run)
         res = runner.invoke(app, ["sharpness", str(out), "--data", str(tmp_path / data), "--tokens", "64"])
         lines = one_line_error(res, 1, *words)
         assert lines[0].startswith("Error: ")
-        assert not (out / "reports").exists() and not (out / "plots").exists()
+        assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written
