@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 import cemtool.data.synthetic as syn
 from cemtool.analysis.saturation import (
     advice_toml,
+    advised_config,
     allocation_advice,
     attention_layers,
     effective_form,
@@ -145,7 +146,7 @@ def test_data_basis_full_rank_is_identity_on_the_queries():
 # -- allocation advice ------------------------------------------------------------------------------------------
 
 
-def test_allocation_advice_keeps_the_budget_and_is_a_valid_config(tmp_path):
+def test_allocation_advice_keeps_the_budget_and_is_a_valid_config(tmp_path, monkeypatch):
     shapes = [(4, 16)] * 4
     adv = allocation_advice(shapes, {0: 16, 1: 16, 2: 4, 3: 2}, {0: 0.5, 1: 0.2, 2: 0.01, 3: 0.0}, rope=True,
                             tolerance=0.05)
@@ -161,6 +162,10 @@ def test_allocation_advice_keeps_the_budget_and_is_a_valid_config(tmp_path):
     assert layer_shapes(cfg.model) == list(zip(adv["heads"], adv["head_dims"], strict=True))
     changed = replace(run_cfg, **{"model.heads": tuple(adv["heads"]), "model.head_dims": tuple(adv["head_dims"])})
     assert to_dict(cfg) == to_dict(changed)  # data, seq_len, tokenizer, training, seed: the run's own
+    (tmp_path / "corpus.txt").write_text("some text")
+    monkeypatch.chdir(tmp_path)  # a data path relative to where the run's data was read: the same file, absolute
+    rel = advised_config(to_dict(replace(run_cfg, **{"data.source": "corpus.txt"})), adv)
+    assert rel["data"]["source"] == str(tmp_path / "corpus.txt")
     odd = allocation_advice([(2, 8)], {0: 3}, {0: 0.0}, rope=True)
     assert odd["head_dims"] == [4] and odd["heads"] == [4]
 

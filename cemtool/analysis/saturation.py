@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -390,8 +391,13 @@ def allocation_advice(shapes: list[tuple[int, int]], tolerated: dict[int, int], 
 
 def advised_config(config: dict, advice: dict) -> dict:
     """The run's own config (config.json as a dict: data, seq_len, tokenizer, training, seed, ...) with only the
-    allocation changed: ``model.heads`` and ``model.head_dims`` from the advice."""
+    allocation changed: ``model.heads`` and ``model.head_dims`` from the advice. A data source that is a path
+    relative to the working directory (where the run's data was just read) is written as the same path made
+    absolute, so that the config trains on that data from any directory."""
     out = json.loads(json.dumps(config))  # a deep copy
+    source = out["data"]["source"]
+    if not os.path.isabs(source) and os.path.exists(source):
+        out["data"]["source"] = os.path.abspath(source)
     out["model"]["heads"] = list(advice["heads"])
     out["model"]["head_dims"] = list(advice["head_dims"])
     return out
