@@ -126,9 +126,10 @@ class _Weight:
     @property
     def weight(self) -> torch.Tensor:
         w, b = weight_rows(self.proj.module)
-        rows = w[self.proj.index]  # (heads*d_h, d)
+        idx = self.proj.index.to(w.device)
+        rows = w[idx]  # (heads*d_h, d)
         if b is not None:
-            rows = torch.cat([rows, b[self.proj.index][:, None]], dim=1)  # (heads*d_h, d+1)
+            rows = torch.cat([rows, b[idx][:, None]], dim=1)  # (heads*d_h, d+1)
         if self.repeat > 1:
             dh = rows.shape[0] // self.proj.heads
             rows = rows.view(self.proj.heads, dh, -1).repeat_interleave(self.repeat, 0).reshape(-1, rows.shape[1])
@@ -203,11 +204,12 @@ class _Heads:
         B, T, _ = out.shape
         new = None
         for p in live:
-            x = out[..., p.index].view(B, T, p.heads, -1).transpose(1, 2)  # (B, heads, T, d_h)
+            idx = p.index.to(out.device)
+            x = out[..., idx].view(B, T, p.heads, -1).transpose(1, 2)  # (B, heads, T, d_h)
             y = getattr(self.attn, p.point)(x)
             if y is not x:
                 new = out.clone() if new is None else new
-                new[..., p.index] = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads*d_h)
+                new[..., idx] = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, heads*d_h)
         return new
 
 
