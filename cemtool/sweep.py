@@ -71,7 +71,8 @@ Callback = Callable[[dict], None]
 SCHEMA_VERSION = 1
 ANALYSES = ("sharpness", "collapse", "forgetting")
 COLLAPSE_DEFAULTS = {"checkpoint": "final", "tokens": 16384, "seq_len": None, "batch_size": 16, "alpha": 0.5,
-                     "words": None, "k": 4, "folds": 5, "per_class": 256, "seed": 0}  # cemtool collapse-report's
+                     "words": None, "k": 4, "folds": 5, "per_class": 256, "min_per_class": 16,
+                     "seed": 0}  # cemtool collapse-report's
 RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data"}
 SELECTION = "selection.json"
 FORGETTING_KEYS = {"steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint", "lr", "beta1", "beta2",

@@ -111,6 +111,9 @@ def test_defaults_match_the_api_and_the_device_is_auto():
               "min_per_class", "seed"):
         assert api[k].default == cli[k], k  # every option has the command's default (docs/api.md: optional)
     assert cli["min_per_class"] == MIN_PER_CLASS and cli["device"] == "auto"
+    from cemtool.sweep import COLLAPSE_DEFAULTS  # a study measures with the same options (and records them all)
+
+    assert COLLAPSE_DEFAULTS == {k: api[k].default for k in COLLAPSE_DEFAULTS} and "min_per_class" in COLLAPSE_DEFAULTS
 
 
 def test_plot_draws_reports_under_any_name(runs, tmp_path, monkeypatch):
