@@ -137,3 +137,20 @@ def test_plot_draws_reports_under_any_name(runs, tmp_path, monkeypatch):
     assert not problems and [stem for stem, _ in drawn] == ["coll"] and drawn[0][1] == reports["coll"][1]
     entries, sources = render._layer_entries([run])
     assert sources == [run / "reports" / "first-layer.json"] and entries[0]["reports"] == [layer]
+
+
+def test_plot_flags_merged_collapse_reports_with_different_settings(tmp_path, monkeypatch):
+    from cemtool.plots import render
+
+    runs = []
+    for name, tokens in (("a", 2048), ("b", 2048), ("c", 512)):
+        (tmp_path / name / "reports").mkdir(parents=True)
+        rep = {"provenance": {"command": "collapse-report", "options": {"tokens": tokens, "device": name}},
+               "runs": [{"label": name, "summary": []}]}
+        (tmp_path / name / "reports" / "collapse.json").write_text(json.dumps(rep))
+        runs.append(tmp_path / name)
+    monkeypatch.setattr(render, "_collapse", lambda payload, plots, stem: [])
+    notes: list[str] = []
+    render._collapse_all(runs, tmp_path / "plots", {}, {}, [], notes)
+    assert notes == [f"the merged collapse reports were measured with different settings: tokens: 2048 "
+                     f"({tmp_path.name}/a, {tmp_path.name}/b), 512 ({tmp_path.name}/c)"]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cemtool.errors import CemtoolError
 from cemtool.plots.training import distinguishable, is_run_dir, plot_training, read_json, read_run
-from cemtool.report import named_reports, report_kind
+from cemtool.report import mismatch_text, mismatched_settings, named_reports, report_kind, report_options
 
 Plotter = Callable[[dict, Path, str], list[Path]]
 
@@ -261,6 +261,7 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
     """The runs' own collapse reports merged into one comparison (the same figures as ``cemtool collapse-report
     RUN RUN ...``, every run on the same axes); nothing is measured again."""
     found = []  # (run, report path, per-run entry)
+    options = {}  # run -> the settings its report was measured with
     for r in runs:
         p = r / "reports" / "collapse.json"
         try:
@@ -269,8 +270,11 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
             continue  # reported by the run's own rendering
         if isinstance(rep, dict) and isinstance(rep.get("runs"), list):
             found += [(r, p, entry) for entry in rep["runs"]]
+            options[f"{r.parent.name}/{r.name}"] = report_options(rep)
     if len(found) < 2:
         return
+    if diff := mismatched_settings(options):
+        notes.append(f"the merged collapse reports were measured with different settings: {mismatch_text(diff)}")
     if len(found) > MAX_OVERLAID:
         notes.append(f"no merged collapse figures: {len(found)} runs are too many for one pair of axes (the "
                      f"comparison's compare_layers figure averages them over seeds; each run's own report.md "
