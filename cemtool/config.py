@@ -181,6 +181,16 @@ class TrainConfig:
     precision: str = opt("auto", "auto = bf16 autocast on CUDA, fp32 elsewhere", choices=("auto", "fp32", "bf16"))
     compile: bool = opt(False, "torch.compile the model")
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)", min=0, max=4096)
+    curvature_every: int = opt(0, "record the Hessian's λ_max (and the curvature_* options) in metrics.jsonl every N "
+                                  "steps (0 = off)", min=0, max=10**9)
+    curvature_tokens: int = opt(1024, "tokens of the fixed validation batch the curvature is measured on (the first "
+                                      "windows, as `cemtool sharpness --tokens N`)", min=1, max=1 << 24)
+    curvature_params: str = opt("all", "parameter subset of the curvature: all, layer:N, attn, mlp, embed or a glob on "
+                                       "names (comma-separated union)")
+    curvature_steps: int = opt(20, "Lanczos step (HVP) cap of each λ_max measurement", min=2, max=10_000)
+    curvature_trace: int = opt(0, "HVPs of an XTrace estimate of tr(H) per measurement (0 = off, else >= 4)", min=0,
+                               max=100_000)
+    curvature_precond: bool = opt(False, "also λ_max of P^-1 H, Adam's preconditioned Hessian (train.optimizer=adamw)")
 
 
 @dataclass(frozen=True)
@@ -434,6 +444,13 @@ def validate(cfg: RunConfig) -> RunConfig:
                           f"of a tokenizer.json")
     if m.max_seq_len and m.max_seq_len < cfg.data.seq_len:
         raise ConfigError(f"model.max_seq_len={m.max_seq_len} is shorter than data.seq_len={cfg.data.seq_len}")
+    t = cfg.train
+    if 0 < t.curvature_trace < 4:
+        raise ConfigError(f"train.curvature_trace={t.curvature_trace} is not allowed: 0 (off) or at least 4 HVPs")
+    if t.curvature_precond and t.optimizer != "adamw":
+        raise ConfigError("train.curvature_precond needs train.optimizer=adamw: the preconditioner is Adam's")
+    if not t.curvature_params.strip():
+        raise ConfigError("train.curvature_params is empty", hint="use all, layer:N, attn, mlp, embed or a glob")
     if cfg.train.optimizer == "muon" and cfg.train.lr <= 0:  # Muon's rate is muon_lr / lr x lr's schedule
         raise ConfigError("train.optimizer=muon needs train.lr > 0: Muon's rate follows the schedule of train.lr")
     return cfg

@@ -565,16 +565,19 @@ def _unflatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
-                    optimizer: torch.optim.Optimizer | None = None, state: dict | None = None) -> Path:
+                    optimizer: torch.optim.Optimizer | None = None, state: dict | None = None,
+                    extra: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoints/<name>.safetensors atomically: weights ('model.*'), optimizer tensors ('optim.*'),
     the torch RNG state, a JSON header (step, aliases, optimizer skeleton, training state) and the SHA-256 of
     header and tensors ('cemtool_sha256'), so that the file verifies on its own; manifest.json also records the
-    file's SHA-256."""
+    file's SHA-256. ``extra``: more tensors a resume needs (e.g. the curvature tracker's warm start), stored as
+    'extra.<key>'."""
     import torch
     from safetensors.torch import save
 
     weights, aliases = model_tensors(model)
     tensors = {f"model.{k}": v for k, v in weights.items()}
+    tensors.update({f"extra.{k}": v.detach().cpu().contiguous() for k, v in (extra or {}).items()})
     header: dict[str, Any] = {"step": step, "aliases": aliases, "schema_version": SCHEMA_VERSION,
                               "state": state or {}}
     if optimizer is not None:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cemtool.analysis import curvature
 from cemtool.config import ModelConfig, RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
 from cemtool.errors import CemtoolError
@@ -286,10 +287,11 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     if init_weights is not None:
         model.load_state_dict(init_weights, strict=True)
     opt = make_optimizer(model, tc, dev)
+    tracker = curvature.tracker_for(cfg, corpus, model) if tc.curvature_every else None  # subset checked now
     steps_total = total_steps(cfg)
     step, tokens_seen = 0, 0
     if resume and run is not None:
-        step, tokens_seen = _restore(run, model, opt, callback)
+        step, tokens_seen = _restore(run, model, opt, callback, tracker)
         if writer is not None:
             writer.truncate_metrics(step)
             writer.mark_resumed(str(dev))  # only now: a resume that fails leaves meta.json as it was
@@ -382,6 +384,12 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                     writer.append_metrics(row)
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
                   tokens=tokens_seen)
+            if tracker is not None and dd.main and step % tc.curvature_every == 0:  # before the checkpoint
+                row = {**tracker.measure(model, opt, step=step, lr=lr_at(step, steps_total, tc), beta1=tc.beta1),
+                       "tokens": tokens_seen}
+                if writer is not None:
+                    writer.append_metrics(row)
+                _emit(callback, **row)
             if step % tc.eval_every == 0 or step == steps_total:
                 val_loss = eval_row(step, tokens_seen)
             ckpt_every = tc.ckpt_every or tc.eval_every
@@ -389,7 +397,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                 x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
                 check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)  # every rank: all stop alike
                 if writer is not None:
-                    _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints)
+                    _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints,
+                                extra=tracker.state() if tracker is not None else None)
                     _emit(callback, kind="checkpoint", step=step)
             if stop_after is not None and done_here >= stop_after and step < steps_total:
                 status = "interrupted"
@@ -467,24 +476,26 @@ def _now() -> str:
     return now()
 
 
-def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int) -> None:
-    save_checkpoint(run, f"step_{step:06d}", model, step=step, optimizer=opt, state={"tokens": tokens})
+def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, extra: dict | None = None) -> None:
+    save_checkpoint(run, f"step_{step:06d}", model, step=step, optimizer=opt, state={"tokens": tokens}, extra=extra)
     old = step_checkpoints(run)[:-keep]
     for p in old:
         p.unlink(missing_ok=True)
     run.update_meta(step=step, last_checkpoint=f"step_{step:06d}")
 
 
-def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None
-             ) -> tuple[int, int]:
-    """Weights, optimizer and RNG state of the newest step checkpoint that verifies; a newer one that does not is
-    set aside, with a 'note' event saying so."""
+def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None,
+             tracker: curvature.CurvatureTracker | None = None) -> tuple[int, int]:
+    """Weights, optimizer and RNG state (and the curvature tracker's warm start) of the newest step checkpoint that
+    verifies; a newer one that does not is set aside, with a 'note' event saying so."""
     ckpt, notes = resume_checkpoint(run)
     for note in notes:
         _emit(callback, kind="note", message=note)
     if ckpt is None:
         return 0, 0
     restore_training(ckpt, model, opt)
+    if tracker is not None:
+        tracker.load_state(ckpt.tensors)
     return ckpt.step, ckpt.tokens
 
 
@@ -495,4 +506,6 @@ def finalize_model_config(cfg: RunConfig, corpus: Corpus) -> RunConfig:
     if m.vocab_size and m.vocab_size < vocab:
         raise CemtoolError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab}")
     m = replace(m, vocab_size=m.vocab_size or vocab, max_seq_len=m.max_seq_len or cfg.data.seq_len)
-    return replace(cfg, model=m)
+    cfg = replace(cfg, model=m)
+    curvature.check_run_config(cfg)  # train.curvature_params must match the model's parameters
+    return cfg

@@ -559,14 +559,15 @@ def _select(theta: np.ndarray, residual: np.ndarray, k_top: int, k_bottom: int, 
 
 def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: float = 1e-4, seed: int = 0,
             min_steps: int | None = None, return_vectors: bool = False,
-            callback: Callback | None = None) -> Eigenvalues:
+            callback: Callback | None = None, v0: torch.Tensor | None = None) -> Eigenvalues:
     """Top-k and bottom-k eigenvalues of the operator by Lanczos with full reorthogonalisation.
 
     Both ends come from one Krylov space (the Hessian is indefinite: the most negative eigenvalue matters, and
     λ_max is the largest *algebraic* eigenvalue, not the largest in magnitude as power iteration finds).
     Stops when every requested Ritz value has converged (see :class:`Eigenvalues`) or after ``max_steps`` HVPs.
     The start vector is a normalised Rademacher vector from ``seed`` (isotropic, so the run can continue as an
-    SLQ run). If the steps taken are fewer than k, fewer values are returned.
+    SLQ run), or ``v0`` when given (n,) (a warm start, e.g. the previous top Ritz vector; not isotropic). If the steps
+    taken are fewer than k, fewer values are returned.
     """
     if k_top < 0 or k_bottom < 0 or k_top + k_bottom == 0:
         raise CemtoolError("ask for at least one eigenvalue (top-k or bottom-k)")
@@ -588,8 +589,11 @@ def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: 
         _, _, ok, _, top, bottom = _select(theta, res, k_top, k_bottom, tol, eps, op.n)
         return len(top) >= min(k_top, op.n) and bool(ok[top + bottom].all())
 
-    st = lanczos_iterate(op, _random_unit(op.n, gen, op.device, rademacher=True), max_steps, gen, converged,
-                         callback)
+    if v0 is not None and (v0.shape != (op.n,) or not bool(torch.isfinite(v0).all()) or float(v0.norm()) == 0):
+        raise CemtoolError(f"the Lanczos start vector must be a finite non-zero vector of {op.n} entries")
+    start = v0.to(device=op.device, dtype=torch.float64) if v0 is not None else \
+        _random_unit(op.n, gen, op.device, rademacher=True)
+    st = lanczos_iterate(op, start, max_steps, gen, converged, callback)
     theta, S, res = st.ritz()
     bound, err, ok, rounding, top, bottom = _select(theta, res, k_top, k_bottom, tol, eps, op.n)
     if st.steps >= op.n:  # the whole space: Ritz values are eigenvalues up to rounding

@@ -214,7 +214,10 @@ def render_run(run: str | Path, problems: list[str] | None = None) -> list[Path]
     figures: dict[str, list[Path]] = {}
     notes = []
     if _has_metrics(run):
-        figures["training"] = _pngs(plot_training([run], plots))
+        from cemtool.plots.curvature import plot_curvature
+
+        # plot_curvature: [] unless the run was trained with train.curvature_every
+        figures["training"] = _pngs(plot_training([run], plots)) + _pngs(plot_curvature(run, plots))
     else:
         notes.append("metrics.jsonl is missing or empty: no training curves")
     reports = _plot_reports(find_reports(run), plots, figures, mine)

@@ -45,6 +45,9 @@ def _rel(path: Path, base: Path) -> str:
 CAPTIONS = {
     "training": "training and validation loss against tokens seen (colour: architecture; line style: seed; "
                 "dashed: the corpus's entropy floor); right: the validation gap above the floor",
+    "curvature": "λ_max of the Hessian on a fixed validation batch during training against 2/η (dashed), and when "
+                 "recorded the preconditioned λ_max of Adam against (2+2β1)/((1−β1)η) and tr(H) ± 1 SE (open markers: "
+                 "Lanczos not converged)",
     "collapse_layers": "per layer: matrix entropy of values and hidden states, linear-probe accuracy, effective rank, "
                        "mean pairwise cosine and normalised attention entropy (error bars: s.e. over sequences, "
                        "probe std over folds)",
