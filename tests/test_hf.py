@@ -141,6 +141,8 @@ def test_parameter_subsets_by_cemtool_and_by_the_models_own_names(hf_models):
     assert names("embed") == ["tok_emb.weight", "head.weight"]  # embed_tokens and lm_head (untied)
     assert names("*.q_proj.weight") == ["blocks.0.layer.self_attn.q_proj.weight",
                                         "blocks.1.layer.self_attn.q_proj.weight"]
+    assert names("model.layers.1.mlp.*") == [n for n in names("mlp") if n.startswith("blocks.1.")]  # its own names
+    assert names("lm_head.weight") == ["head.weight"]
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in model.hf.parameters())
 
 

@@ -66,9 +66,12 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
 
     ``spec`` is a comma-separated union of: ``all``; ``layer:N`` (``blocks.N.*``); ``attn`` / ``mlp`` /
     ``embed`` (every parameter with that word in its dotted name: ``blocks.N.attn.*``, ``ln_attn``,
-    ``attn_step``...; ``tok_emb``, ``head``...); or a glob on the names (``blocks.*.mlp.up.weight``).
+    ``attn_step``...; ``tok_emb``, ``head``...); or a glob on the names (``blocks.*.mlp.up.weight``), or on the
+    model's own names where it has others (``model.parameter_aliases()``: a Hugging Face model's
+    ``model.layers.3.mlp.*``, cemtool.foreign).
     """
     named = list(model.named_parameters())  # shared parameters appear once
+    aliases = model.parameter_aliases() if hasattr(model, "parameter_aliases") else {}
     chosen: set[str] = set()
     for part in [s.strip() for s in spec.split(",") if s.strip()] or [""]:
         if part == "all":
@@ -86,7 +89,8 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
             words = {"attn": _ATTN_WORDS, "mlp": _MLP_WORDS, "embed": _EMBED_WORDS}[part]
             hit = {n for n, _ in named if _has_word(n, words)}
         else:
-            hit = {n for n, _ in named if fnmatch.fnmatchcase(n, part)}
+            hit = {n for n, _ in named if fnmatch.fnmatchcase(n, part) or
+                   any(fnmatch.fnmatchcase(a, part) for a in aliases.get(n, ()))}
         if not hit:
             example = named[min(1, len(named) - 1)][0] if named else "?"
             raise CemtoolError(f"parameter selection {part!r} matches no parameter of the model",

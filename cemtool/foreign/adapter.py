@@ -304,6 +304,15 @@ class ForeignLM(nn.Module):
                                hint="evaluate on data tokenised with the model's own tokenizer")
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
+    def parameter_aliases(self) -> dict[str, list[str]]:
+        """The transformers names of each parameter (``model.layers.0.self_attn.q_proj.weight``, and a tied head's
+        too) by its cemtool name, so that ``--params`` globs take either."""
+        ours = {id(p): n for n, p in self.named_parameters()}
+        out: dict[str, list[str]] = {}
+        for n, p in self.hf.named_parameters(remove_duplicate=False):
+            out.setdefault(ours[id(p)], []).append(n)
+        return out
+
     def num_params(self) -> dict[str, int]:
         """Total parameters (shared tensors once) and non-embedding parameters (without the token and position
         embeddings; an untied head is counted), as cemtool's LM.num_params."""
