@@ -1,7 +1,11 @@
 """Reports: tables -> JSON / CSV / Markdown, with provenance attached.
 
 Every analysis command writes ``reports/<name>.json`` (the full result with provenance: config, seed, checkpoint,
-versions, token counts) and, for its main table, ``reports/<name>.csv``. Markdown tables feed report.md files.
+versions, token counts, the options it was measured with) and, for its main table, ``reports/<name>.csv``.
+Markdown tables feed report.md files. One rule for every analysis: a user-given ``--name`` keeps analyses of one
+run under other settings apart; :func:`named_reports` lists a run's reports whatever their names, with the analysis
+each holds (:func:`report_kind`) and its options (:func:`report_options`), and :func:`mismatched_settings` says
+where the reports of several runs were measured differently (``compare`` and ``plot`` flag it).
 """
 
 from __future__ import annotations

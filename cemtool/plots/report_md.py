@@ -43,8 +43,8 @@ def _rel(path: Path, base: Path) -> str:
 
 
 CAPTIONS = {
-    "training": "training and validation loss against tokens seen (colour: architecture; line style: seed; "
-                "dashed: the corpus's entropy floor); right: the validation gap above the floor",
+    "training": "training loss (thin: moving average over 5% of the run's batches) and validation loss (markers) "
+                "against tokens seen (colour: architecture; line style: seed)",
     "curvature": "λ_max of the Hessian on a fixed validation batch during training against 2/η (dashed), and when "
                  "recorded the preconditioned λ_max of Adam against (2+2β1)/((1−β1)η) and tr(H) ± 1 SE (open markers: "
                  "Lanczos not converged)",
@@ -71,7 +71,7 @@ CAPTIONS = {
                             "marker: seed; Spearman's rank correlation in the title",
     "compare": "one bar per architecture: mean over seeds with standard-error bars; dots: the individual seeds",
     "training_groups": "validation loss averaged over the seeds of each group of runs (band: ± one standard "
-                       "error); right: the gap above the entropy floor",
+                       "error)",
     "compare_layers": "value entropy and value separability against depth, one line per architecture: mean over "
                       "seeds with standard-error bars (from the runs' collapse reports)",
     "saturation_sweep": "final validation loss against head size at a fixed budget H d_h, one line per sequence "
@@ -90,8 +90,14 @@ def caption(fig: Path) -> str:
     return stem.replace("_", " ")
 
 
-def figures_md(figs: list[Path], base: Path) -> str:
-    """Each PNG inline with its caption and a link to the SVG beside it."""
+FLOOR_CAPTIONS = {"training": "; dashed: the corpus's exact entropy floor; right: the validation gap above the floor "
+                              "(log scale)",
+                  "training_groups": "; dashed: the entropy floor; right: the gap above it"}
+
+
+def figures_md(figs: list[Path], base: Path, floor: bool = True) -> str:
+    """Each PNG inline with its caption and a link to the SVG beside it. ``floor``: whether the runs' corpus has an
+    entropy floor (the training figures draw it, and their captions describe it, only then)."""
     out = []
     for f in figs:
         f = Path(f)
@@ -99,7 +105,8 @@ def figures_md(figs: list[Path], base: Path) -> str:
             continue
         svg = f.with_suffix(".svg")
         link = f" ([SVG]({_rel(svg, base)}))" if svg.exists() else ""
-        out.append(f"![{f.stem}]({_rel(f, base)})\n\n*{f.stem}: {caption(f)}*{link}\n")
+        extra = FLOOR_CAPTIONS.get(f.stem, "") if floor else ""
+        out.append(f"![{f.stem}]({_rel(f, base)})\n\n*{f.stem}: {caption(f)}{extra}*{link}\n")
     return "\n".join(out)
 
 
@@ -403,6 +410,17 @@ def _train_line(cfg: dict) -> str:
             f"{t.get('warmup_steps')} warmup steps), weight decay {t.get('weight_decay')}")
 
 
+def _data_line(cfg: dict, corpus: dict) -> str:
+    """The data source with what is known of it (tokenizer, token counts); nothing is printed for what is not."""
+    data = cfg.get("data", {})
+    tok = corpus.get("tokenizer") or data.get("tokenizer")
+    train = corpus.get("train_tokens")
+    parts = ([f"{tok} tokenizer"] if tok else []) + ([f"{_int(train)} training tokens"] if train else
+                                                     [f"{_int(corpus['tokens'])} tokens"] if corpus.get("tokens")
+                                                     else [])
+    return f"`{data.get('source')}`" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def run_summary(r: RunCurves) -> dict:
     params = r.meta.get("params") or {}
     floor, val = r.floor, r.final_val
@@ -416,6 +434,9 @@ def eval_table(r: RunCurves, max_rows: int = 12) -> str:
     if len(rows) > max_rows:  # keep the first, the last and evenly spaced ones between
         idx = sorted({round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)})
         rows = [rows[i] for i in idx]
+    if not any(v.get("val_floor") is not None for v in rows):  # no floor known: no floor or gap columns
+        return markdown_table([{"step": v.get("step"), "tokens": _int(v.get("tokens")), "val loss": v["val_loss"]}
+                               for v in rows])
     return markdown_table([{"step": v.get("step"), "tokens": _int(v.get("tokens")), "val loss": v["val_loss"],
                             "floor": v.get("val_floor"),
                             "gap": None if v.get("val_floor") is None else v["val_loss"] - v["val_floor"]}
@@ -437,8 +458,7 @@ def run_markdown(run_dir: str | Path, figures: dict[str, list[Path]], reports: d
             ("parameters", f"{_int(s['params'])} ({_int((m.get('params') or {}).get('non_embedding'))} "
                            f"non-embedding)"),
             ("model", _model_line(cfg)), ("training", _train_line(cfg)),
-            ("data", f"`{cfg.get('data', {}).get('source')}` ({corpus.get('tokenizer', '?')} tokenizer, "
-                     f"{_int(corpus.get('train_tokens'))} training tokens)"),
+            ("data", _data_line(cfg, corpus)),
             ("final validation loss", f"{fmt(s['val loss'])} nats/token"),
             ("entropy floor / gap", f"{fmt(s['floor'])} / {fmt(s['gap'])}" if s["floor"] is not None
              else "not known for this corpus"),
@@ -447,7 +467,7 @@ def run_markdown(run_dir: str | Path, figures: dict[str, list[Path]], reports: d
             ("git commit", f"`{m.get('git_commit')}`")]
     out = [f"# Run `{base.name}`\n", "| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)]
     out.append("## Training curves\n")
-    out.append(figures_md(figures.get("training", []), base))
+    out.append(figures_md(figures.get("training", []), base, floor=r.floor is not None))
     if r.val:
         out.append("Validation loss (nats/token) at each evaluation:\n\n" + eval_table(r))
     for stem, (path, rep) in sorted(reports.items(), key=lambda kv: _order(kv[0])):
@@ -481,13 +501,18 @@ def collection_markdown(root: str | Path, runs: list[Path], figures: dict[str, l
             s["run"] = _run_link(c.path, base)
             s["tokens"], s["params"] = _int(s["tokens"]), _int(s["params"])
             rows.append(s)
-        out.append(f"{len(curves)} run(s); losses in nats/token; gap = final validation loss - entropy floor.\n")
+        if any(c.floor is not None for c in curves):
+            out.append(f"{len(curves)} run(s); losses in nats/token; gap = final validation loss - entropy floor.\n")
+        else:  # text corpora: no floor, so no floor or gap columns
+            rows = [{k: v for k, v in r.items() if k not in ("floor", "gap")} for r in rows]
+            out.append(f"{len(curves)} run(s); losses in nats/token.\n")
         out.append(markdown_table(rows))
     if finetunes:
         out.append("Fine-tunes (`cemtool forgetting`): " + ", ".join(_run_link(p, base) for p in finetunes) + ".\n")
     if figures.get("training") or figures.get("training_groups"):
         out.append("## Training curves\n")
-        out.append(figures_md(figures.get("training", []) + figures.get("training_groups", []), base))
+        out.append(figures_md(figures.get("training", []) + figures.get("training_groups", []), base,
+                              floor=any(c.floor is not None for c in curves)))
     for stem, (path, rep) in sorted(reports.items(), key=lambda kv: _order(kv[0])):
         out.append(section(stem, rep, figures.get(stem, []), base, path))
     out += _notes(notes)
