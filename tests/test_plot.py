@@ -15,7 +15,7 @@ from cemtool.cli.main import app
 from cemtool.plots.compare import compare_measures, layer_of
 from cemtool.plots.report_md import caption, eval_table
 from cemtool.plots.style import arch_color
-from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES, read_run, training_figure
+from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES, read_run, smoothed, training_figure
 from cemtool.report import fmt
 
 from conftest import train_tiny
@@ -59,8 +59,8 @@ def study(tmp_path_factory):
                          "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0", "--avg-rho", "0",
                          "--landscape", "none")
             assert res.exit_code == 0, res.output
-        res = invoke("collapse-report", run, "--tokens", "128", "--per-class", "8", "--folds", "2", "-q",
-                     "--no-plots")
+        res = invoke("collapse-report", run, "--tokens", "128", "--per-class", "8", "--min-per-class", "8",
+                     "--folds", "2", "-q", "--no-plots")
         assert res.exit_code == 0, res.output
     res = invoke("forgetting", base, "--to", "grammar-b", "--steps", "4", "--eval-every", "2", "--eval-tokens",
                  "256", "--device", "cpu", "-q")
@@ -87,7 +87,7 @@ def test_training_figure_lines_are_the_metrics(study):
         assert line.get_linestyle() == {"-": "-", "-.": "-."}[ls]
         train = [ln for ln in ax.get_lines() if np.allclose(to_rgb(ln.get_color()), arch_color(c.arch)[:3])
                  and ln.get_label().startswith("_")]
-        assert any(np.allclose(ln.get_ydata(), [t["train_loss"] for t in c.train]) for ln in train)
+        assert any(np.allclose(ln.get_ydata(), smoothed([t["train_loss"] for t in c.train])) for ln in train)
         g = [ln for ln in gap.get_lines() if ln.get_label() == c.label][0]
         assert np.allclose(g.get_ydata(), [v["val_loss"] - v["val_floor"] for v in c.val])
     floor = curves[0].floor
@@ -96,7 +96,8 @@ def test_training_figure_lines_are_the_metrics(study):
     assert len(floors) == 1 and np.allclose(floors[0].get_ydata(), floor)
     assert to_rgb(floors[0].get_color()) == to_rgb(FLOOR_COLOR)
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    assert labels == ["baseline (seed 0)", "tmm (seed 1)", f"entropy floor {floor:.3f}"]
+    assert labels == ["baseline (seed 0)", "tmm (seed 1)", "training loss: moving average over 5% of the run's batches",
+                      f"entropy floor {floor:.3f}"]
     assert ax.get_xlabel() == "tokens seen" and "nats/token" in ax.get_ylabel()
     import matplotlib.pyplot as plt
 
@@ -191,7 +192,12 @@ def test_compare_layers_are_mean_and_standard_error(tmp_path):
 
 
 def test_captions_and_eval_table(study):
-    assert "entropy floor" in caption(Path("training.png"))
+    from cemtool.plots.report_md import figures_md
+
+    (tmp := study[0] / "captions").mkdir(exist_ok=True)
+    (tmp / "training.png").write_bytes(PNG_MAGIC)
+    assert "entropy floor" in figures_md([tmp / "training.png"], tmp, floor=True)
+    assert "floor" not in figures_md([tmp / "training.png"], tmp, floor=False)  # a text corpus has none
     assert "LIMe router" in caption(Path("collapse_compare_routing_lime.png"))
     assert "spectral density" in caption(Path("sharpness-layer-0_spectrum.png"))
     assert "forgetting" in caption(Path("forgetting.png"))
@@ -408,3 +414,250 @@ def test_legend_columns_fit_the_figure_and_variants_are_counted():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# readable figures (issue 10, item 14): every figure is drawn through Figure.savefig, where it is caught
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """``drawn(plot_fn, *args)`` -> {figure name: Figure}: the figures a plotting function saved, caught as they are
+    written (after any layout), named by the files it returns, in order."""
+    from matplotlib.figure import Figure
+
+    def run(fn, *args, **kwargs):
+        seen = []
+        orig = Figure.savefig
+
+        def catch(self, *a, **k):
+            if not seen or seen[-1] is not self:
+                seen.append(self)
+            return orig(self, *a, **k)
+
+        monkeypatch.setattr(Figure, "savefig", catch)
+        try:
+            paths = fn(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(Figure, "savefig", orig)
+        return dict(zip(dict.fromkeys(Path(p).stem for p in paths), seen, strict=True))
+
+    return run
+
+
+def overlapping_ticks(ax) -> bool:
+    """Whether two visible x tick labels of a drawn axes overlap (their boxes in display pixels)."""
+    boxes = sorted((t.get_window_extent() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()),
+                   key=lambda b: b.x0)
+    return any(b.x0 < a.x1 - 1.0 for a, b in zip(boxes, boxes[1:]))
+
+
+def wcag_contrast(color) -> float:
+    """Contrast ratio against white, WCAG 2.1 (computed here, independently of cemtool.plots.style)."""
+    lin = [v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4 for v in to_rgb(color)]
+    return 1.05 / (0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2] + 0.05)
+
+
+def test_every_architecture_colour_has_contrast():
+    from cemtool.models.registry import archs
+
+    for c in [arch_color(a) for a in [*archs(), "some-new-arch", "another"]]:
+        assert wcag_contrast(c) >= 3.0, c  # WCAG 2.1 non-text contrast against the white axes
+    common = ["baseline", "tmm", "lime", "cem", "hb", "nesterov", "adam"]
+    assert len({arch_color(a) for a in common}) == len(common)
+
+
+def compare_report(tokens=(2048, 2048, 2048, 2048)):
+    """A text-corpus comparison (no floor): validation losses 0.05 nats apart, curvatures, forgetting."""
+    runs = []
+    for i, (arch, seed) in enumerate((("baseline", 0), ("baseline", 1), ("tmm", 0), ("tmm", 1))):
+        runs.append({"label": arch, "arch": arch, "seed": seed, "val_loss": 3.50 + 0.05 * (arch == "tmm") + 0.01 * seed,
+                     "val_floor": None, "lambda_max": 1234.5 * (i + 1) ** 3, "trace_per_param": 1.3e-5 * (i + 1) ** 3,
+                     "sharpness_tokens": tokens[i], "forgetting": 0.1 * i, "plasticity": 0.2})
+    return {"archs": [{"label": "baseline", "arch": "baseline"}, {"label": "tmm", "arch": "tmm"}], "runs": runs,
+            "correlations": [{"x": "trace_per_param", "y": "forgetting", "rho": 1.0, "p": 0.08,
+                              "p_method": "exact permutation", "n": 4},
+                             {"x": "lambda_max", "y": "forgetting", "rho": 1.0, "p": 0.08,
+                              "p_method": "exact permutation", "n": 4}]}
+
+
+def test_compare_shows_points_with_intervals_in_curvature_units(drawn, tmp_path):
+    from matplotlib.patches import Rectangle
+
+    from cemtool.plots.compare import plot_compare
+
+    figs = drawn(plot_compare, compare_report(), tmp_path)
+    fig = figs["compare"]
+    panels = {ax.get_title().split("\n")[0]: ax for ax in fig.axes if ax.get_title()}
+    loss = panels["final validation loss"]
+    assert not [p for ax in fig.axes for p in ax.patches if isinstance(p, Rectangle)]  # no bars from zero
+    lo, hi = loss.get_ylim()
+    assert 3.3 < lo < 3.5 and hi < 3.7  # zoomed on the data: a 0.05-nat difference is a fifth of the axis
+    for name in ("largest Hessian eigenvalue λ_max", "Hessian trace per parameter tr(H)/n"):
+        assert "²" in panels[name].get_ylabel() and panels[name].get_ylabel() != "nats/token", name
+        assert "N = 2,048 tokens" in panels[name].get_title()
+    assert loss.get_ylabel() == "nats/token"
+    for ax in figs["compare_correlations"].axes:
+        assert not overlapping_ticks(ax), ax.get_xlabel()
+        assert "nats/token per" in ax.get_xlabel()
+
+
+def test_compare_marks_curvatures_from_different_token_counts(drawn, tmp_path):
+    from cemtool.plots.compare import plot_compare
+
+    figs = drawn(plot_compare, compare_report(tokens=(1024, 2048, 1024, 4096)), tmp_path)
+    titles = [ax.get_title() for ax in figs["compare"].axes]
+    assert sum("mixed N = 1,024, 2,048, 4,096 tokens" in t for t in titles) == 2  # λ_max and tr(H)/n
+    assert "mixed N" in figs["compare_correlations"].axes[0].get_title()
+    legend = [t.get_text() for t in figs["compare"].legends[0].get_texts()]
+    assert legend == [f"run measured on N = {n:,} tokens" for n in (1024, 2048, 4096)]
+
+
+def integer_layer_ticks(ax, layers) -> bool:
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    return bool(ticks) and all(float(t).is_integer() and min(layers) <= t <= max(layers) for t in ticks)
+
+
+def test_collapse_layer_figure_reads_the_same_in_every_panel(study, drawn, tmp_path):
+    from cemtool.plots.collapse import plot_layers
+
+    _, base, tmm = study
+    reps = [json.loads((r / "reports" / "collapse.json").read_text()) for r in (base, tmm)]
+    report = {"runs": [e for r in reps for e in r["runs"]]}
+    fig = drawn(plot_layers, report, tmp_path)["collapse_layers"]
+    run = report["runs"][0]
+    layers = [e["layer"] for e in run["collapse"]["layers"]]
+    def mean(v):
+        return v["mean"] if isinstance(v, dict) else v
+
+    truth = {"matrix entropy": lambda e, k: mean(e[k]["entropy"]),
+             "effective rank": lambda e, k: mean(e[k]["erank_all"]),
+             "mean pairwise cosine": lambda e, k: mean(e[k]["cosine"])}
+    for ax in fig.axes:
+        if not ax.get_title():
+            continue  # the text panel
+        assert ax.get_ylabel(), ax.get_title()
+        assert integer_layer_ticks(ax, layers), (ax.get_title(), ax.get_xticks())
+        assert ax.get_legend() is None
+        for name, get in truth.items():
+            if ax.get_title().startswith(name):  # solid = values, dashed = hidden states, in every panel
+                lines = [ln for ln in ax.get_lines() if len(ln.get_ydata()) == len(layers)
+                         and np.allclose(to_rgb(ln.get_color()), arch_color(run["arch"]))]
+                solid = [ln for ln in lines if ln.get_linestyle() == "-"]
+                dashed = [ln for ln in lines if ln.get_linestyle() == "--"]
+                assert any(np.allclose(ln.get_ydata(), [get(e, "values") for e in run["collapse"]["layers"]])
+                           for ln in solid), name
+                assert any(np.allclose(ln.get_ydata(), [get(e, "hidden") for e in run["collapse"]["layers"]])
+                           for ln in dashed), name
+        if ax.get_title().startswith("linear-probe"):
+            assert ax.get_ylim()[1] <= 1.02 + 1e-9  # an accuracy
+    assert fig.legends  # outside the axes
+
+
+def routing_report(n_layer=3, heads=4):
+    rng = np.random.default_rng(0)
+    layers = []
+    for i in range(n_layer):
+        blocks = [[m * heads, (m + 1) * heads] for m in range(i + 1)]
+        W = rng.normal(0, 0.3 * (i + 1), (heads, heads * (i + 1)))
+        layers.append({"layer": i, "heatmap": W.tolist(), "source_blocks": blocks, "share": [1 / (i + 1)] * (i + 1),
+                       "self_retrieval": [1.0 + 0.01 * i] * heads, "expected_layer": i / 2})
+    return {"label": "lime (seed 0)", "arch": "lime",
+            "routing": {"variant": "static", "source": "router", "signed": True, "layers": layers}}
+
+
+def test_routing_figure_shares_one_scale_and_splits_units(drawn, tmp_path):
+    from cemtool.plots.collapse import plot_routing
+
+    fig = drawn(plot_routing, routing_report(), tmp_path, "routing")["routing"]
+    images = [im for ax in fig.axes for im in ax.get_images()]
+    assert len(images) == 3 and len({im.get_clim() for im in images}) == 1  # one colour scale
+    lim = max(np.abs(np.array(e["heatmap"])).max() for e in routing_report()["routing"]["layers"])
+    assert np.isclose(images[0].get_clim()[1], lim)
+    assert sum(ax.get_label() == "<colorbar>" for ax in fig.axes) == 1
+    for ax in fig.axes:
+        if ax.get_images():  # a labelled tick per source layer, not per head
+            labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+            assert labels == [str(m) for m in range(len(labels))]
+    ylabels = {ax.get_ylabel() for ax in fig.axes if ax.get_lines()}
+    layer_ax = [ax for ax in fig.axes if ax.get_ylabel() == "expected source layer"]
+    weight_ax = [ax for ax in fig.axes if "weight on the own layer" in ax.get_ylabel()]
+    assert len(layer_ax) == 1 and len(weight_ax) == 1 and layer_ax != weight_ax, ylabels
+
+
+def saturation_reports():
+    layers = [{"layer": i, "ranks": [0, 2, 4, 8], "truncation": "rope planes", "tolerated_rank": 4,
+               "per_head": [{"head": h, "loss_increase": [0.1 / (h + 1), 0.05, 0.01, 0.0]} for h in range(2)],
+               "layer_loss_increase": [0.3, 0.1, 0.02, 0.0]} for i in range(2)]
+    logits = {"0": {"context_length": [1, 2, 4, 8], "logit_range": [[0, 1, 2, 3], [0, 1.5, 2, 2.5]]}}
+    sat = {"saturation": {"layers": layers, "tolerance": 0.01, "logits": logits}}
+    sweep = {"task": "ngram", "budget": 16, "steps": 10, "seeds": [0], "summary": [
+        {"seq_len": 16, "saturation_head_dim": 4, "points": [{"head_dim": d, "loss": 1.0 / d, "se": None,
+                                                              "floor": 0.1} for d in (2, 4, 8)]}]}
+    return sat, sweep
+
+
+def test_saturation_legends_sit_outside_the_axes(drawn, tmp_path):
+    from cemtool.plots.saturation import plot_logits, plot_sweep, plot_truncation
+
+    sat, sweep = saturation_reports()
+    figs = {**drawn(plot_truncation, sat, tmp_path), **drawn(plot_logits, sat, tmp_path),
+            **drawn(plot_sweep, sweep, tmp_path)}
+    for name in ("saturation_truncation", "saturation_logits", "saturation_sweep"):
+        fig = figs[name]
+        assert fig.legends and all(ax.get_legend() is None for ax in fig.axes), name
+        legend_box = fig.legends[0].get_window_extent()
+        for ax in fig.axes:  # below the axes, not on them
+            assert legend_box.y1 <= ax.get_window_extent().y0 + 1.0, name
+
+
+def test_one_layer_of_eigenvalues_has_a_plain_axis(drawn, tmp_path):
+    from cemtool.plots.compare import plot_layer_eigenvalues
+
+    rep = {"options": {"params": "layer:0"}, "tokens": 1024,
+           "eigen": {"top": [12.3456789], "top_error": [1e-6], "top_converged": [True], "bottom": [-0.0123],
+                     "bottom_error": [1e-6], "bottom_converged": [True]},
+           "traces": [{"per_param": 0.00123456, "per_param_se": 1e-7}]}
+    fig = drawn(plot_layer_eigenvalues, [{"label": "baseline (seed 0)", "arch": "baseline", "seed": 0,
+                                          "reports": [rep]}], tmp_path)["sharpness_layers"]
+    for ax in fig.axes:
+        assert ax.yaxis.get_offset_text().get_text() == "", ax.get_title()  # no '+1.2346e1' at the top
+        labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+        assert len(set(labels)) == len(labels) and max(len(t) for t in labels) <= 8, labels
+        assert [t.get_text() for t in ax.get_xticklabels() if t.get_text()] == ["0"]
+        assert "²" in ax.get_ylabel()
+
+
+def test_training_loss_is_smoothed_and_says_so():
+    from cemtool.plots.training import RunCurves, smoothed
+
+    noisy = [5.0 - 0.01 * i + (0.5 if i % 2 else -0.5) for i in range(200)]
+    train = [{"step": i, "tokens": 100 * i, "train_loss": v} for i, v in enumerate(noisy)]
+    val = [{"step": i, "tokens": 100 * i, "val_loss": 5.0 - 0.01 * i} for i in range(0, 200, 50)]
+    run = RunCurves(Path("r"), "baseline", 0, {}, {}, train, val)
+    fig = training_figure([run])
+    ax = fig.axes[0]
+    (thin,) = [ln for ln in ax.get_lines() if ln.get_label().startswith("_") and len(ln.get_ydata()) == 200]
+    y = np.asarray(thin.get_ydata())
+    trend = 5.0 - 0.01 * np.arange(200)
+    assert np.std(y - trend) < 0.1 * np.std(np.array(noisy) - trend)  # the batch-to-batch noise is gone ...
+    assert np.abs(y[5:-5] - trend[5:-5]).max() < 0.06  # ... and the trend is kept
+    assert np.allclose(y, smoothed(noisy))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any("moving average" in t for t in labels)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_text_run_report_describes_only_what_exists(tiny_run, tmp_path):
+    run = tmp_path / "tiny"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("checkpoints", "plots", "report.md"))
+    res = invoke("plot", run, "-q")
+    assert res.exit_code == 0, res.output
+    md = (run / "report.md").read_text()
+    data_row = next(line for line in md.splitlines() if line.startswith("| data |"))
+    assert " - " not in data_row and "?" not in data_row and "byte tokenizer" in data_row, data_row
+    caption = next(line for line in md.splitlines() if line.startswith("*training:"))
+    assert "floor" not in caption, caption  # a text corpus has no floor line
+    assert "| floor |" not in md and "| gap |" not in md

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from matplotlib.ticker import MaxNLocator
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FuncFormatter
 
-from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.style import PALETTE, arch_color, layer_axis, legend_below, new_figure, save
 from cemtool.plots.training import SEED_STYLES
 
 _MARKERS = "osD^v<>ph*"
@@ -61,24 +62,28 @@ def _attn_norm(e: dict):
     return float(np.mean(vals)) if vals else None
 
 
+# (title, y label, solid: values, dashed: hidden states); the same line style means the same thing in every panel
 PANELS = [
-    ("matrix entropy (Rényi, nats)", lambda e: _stat(e, "values", "entropy"), lambda e: _stat(e, "hidden", "entropy"),
-     "values", "hidden (dashed)"),
-    ("probe accuracy", lambda e: _probe(e, "values"), lambda e: _probe(e, "hidden"), "values", "hidden (dashed)"),
-    ("effective rank (all tokens)", lambda e: _stat(e, "hidden", "erank_all"),
-     lambda e: _stat(e, "values", "erank_all"), "hidden", "values (dashed)"),
-    ("mean pairwise cosine", lambda e: _stat(e, "hidden", "cosine"), lambda e: _stat(e, "values", "cosine"),
-     "hidden", "values (dashed)"),
-    ("attention entropy / log(context)", _attn_norm, None, "mean over heads", ""),
+    ("matrix entropy (Rényi)", "entropy (nats)", lambda e: _stat(e, "values", "entropy"),
+     lambda e: _stat(e, "hidden", "entropy")),
+    ("linear-probe accuracy (separability)", "accuracy (cross-validated)", lambda e: _probe(e, "values"),
+     lambda e: _probe(e, "hidden")),
+    ("effective rank (all tokens)", "effective rank", lambda e: _stat(e, "values", "erank_all"),
+     lambda e: _stat(e, "hidden", "erank_all")),
+    ("mean pairwise cosine", "cosine similarity", lambda e: _stat(e, "values", "cosine"),
+     lambda e: _stat(e, "hidden", "cosine")),
+    ("attention entropy / log(context), mean over heads", "normalised entropy", _attn_norm, None),
 ]
 
 
 def plot_layers(report: dict, plots_dir: str | Path, name: str = "collapse") -> list[Path]:
-    """Every headline measure against depth, one line per run."""
+    """Every headline measure against depth, one colour (and marker) per run; solid lines: the attention values,
+    dashed: the hidden states (residual stream), in every panel."""
     runs = report["runs"]
-    fig, axes = new_figure(13.5, 7.0, ncols=3, nrows=2)
+    fig, axes = new_figure(13.5, 7.6, ncols=3, nrows=2)
     flat = axes.reshape(-1)
-    for ax, (title, solid, dashed, lab_s, lab_d) in zip(flat, PANELS, strict=False):
+    layers = [e["layer"] for run in runs for e in run["collapse"]["layers"]]
+    for ax, (title, ylabel, solid, dashed) in zip(flat, PANELS, strict=False):
         for k, run in enumerate(runs):
             st = _style(runs, k)
             x, y, e = _series(run, solid)
@@ -88,17 +93,29 @@ def plot_layers(report: dict, plots_dir: str | Path, name: str = "collapse") -> 
                 x, y, e = _series(run, dashed)
                 if x:
                     ax.errorbar(x, y, yerr=e, color=st["color"], marker=st["marker"], ls="--", alpha=0.7,
-                                capsize=2)
-        if title == "probe accuracy":
+                                capsize=2, mfc="white")
+        if title.startswith("linear-probe"):
             chance = [e["probe"]["values"]["chance"] for run in runs for e in run["collapse"]["layers"]
                       if isinstance(e["probe"].get("values"), dict)]
             if chance:
-                ax.axhline(chance[0], color="grey", lw=1, ls=":", label="chance")
-        ax.set_title(f"{title}\n{lab_s}" + (f"; {lab_d}" if lab_d else ""), fontsize=9)
+                ax.axhline(chance[0], color="grey", lw=1, ls=":")
+            lo = min([*chance, *[v for line in ax.get_lines() for v in line.get_ydata()]], default=0.0)
+            ax.set_ylim(max(0.0, lo - 0.05), 1.0 + 0.02)  # an accuracy: never above 1 (the std bars are clipped)
+        ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(ylabel)
+        layer_axis(ax, layers)
         ax.grid(alpha=0.3)
-    flat[0].legend(fontsize=7)
+    seen = {}
+    for ax in flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(lab, h)
+    handles, labels = list(seen.values()), list(seen)
+    handles += [Line2D([], [], color="0.3", marker="o"), Line2D([], [], color="0.3", marker="o", ls="--",
+                                                                mfc="white", alpha=0.7),
+                Line2D([], [], color="grey", lw=1, ls=":")]
+    labels += ["solid: attention values", "dashed: hidden states", "dotted: chance (probe)"]
+    legend_below(fig, handles, labels, most=5)
     ax = flat[-1]
     ax.axis("off")
     c = runs[0]["collapse"]
@@ -138,50 +155,72 @@ def plot_attention(report: dict, plots_dir: str | Path, name: str = "collapse") 
             axes[row, i].set_xscale("log", base=2)
             axes[row, i].set_xlim(left=1)  # both rows on the same axis (entropy / log(context) starts at 2)
             axes[row, i].grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=7)
+            axes[row, i].xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 64, not 2^6
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    legend_below(fig, handles, labels)
     return save(fig, plots_dir, f"{name}_attention")
 
 
+def _source_ticks(ax, blocks: list[list[int]], signed: bool) -> None:
+    """Columns of a router heatmap: one per source layer, or (signed) one per head of each source layer. Labelled
+    once per source layer at the middle of its block; the heads are minor ticks; blocks separated by lines."""
+    mids = [(a + b - 1) / 2 for a, b in blocks] if signed else list(range(len(blocks)))
+    ax.set_xticks(mids, [str(m) for m in range(len(blocks))], fontsize=8)
+    if signed:
+        ax.set_xticks(range(blocks[-1][1]), minor=True)
+        for a, _b in blocks[1:]:
+            ax.axvline(a - 0.5, color="k", lw=0.8)
+    ax.set_xlabel("source layer" + (" (a column per head)" if signed else ""), fontsize=8)
+
+
 def plot_routing(run: dict, plots_dir: str | Path, name: str) -> list[Path]:
-    """A LIMe run's routers: one heatmap per layer, the share per source layer and the expected layer."""
+    """A LIMe run's routers: one heatmap per layer on one shared colour scale (top); below, the share of |weight|
+    per source layer, the expected retrieved layer (a layer index) and the mean self-retrieval (a weight), each on
+    its own axes."""
+    import matplotlib.pyplot as plt
+
     routing = run["routing"]
     layers = routing["layers"]
     n = len(layers)
-    fig, axes = new_figure(3.0 * n + 6.0, 3.6, ncols=n + 2)
-    for ax, e in zip(axes[0][:n], layers, strict=True):
-        W = np.array(e["heatmap"], dtype=float)
-        lim = np.abs(W).max() or 1.0
-        im = ax.imshow(W, cmap="RdBu_r" if routing["signed"] else "viridis", vmin=-lim if routing["signed"] else 0,
-                       vmax=lim, aspect="auto")
-        for a, _b in e["source_blocks"][1:]:
-            ax.axvline(a - 0.5, color="k", lw=0.6)
-        if routing["signed"]:
-            ax.set_xticks(range(W.shape[1]), [f"L{m}h{j - a}" for m, (a, b) in enumerate(e["source_blocks"])
-                                              for j in range(a, b)], rotation=90, fontsize=7)
-        else:
-            ax.set_xticks(range(W.shape[1]), [f"L{m}" for m in range(W.shape[1])], fontsize=7)
+    fig = plt.figure(figsize=(max(9.0, 2.8 * n + 1.0), 6.8), layout="constrained")
+    top, bottom = fig.subfigures(2, 1, height_ratios=[1.0, 0.9])
+    maps = top.subplots(1, n, squeeze=False)[0]
+    heat = [np.array(e["heatmap"], dtype=float) for e in layers]
+    signed = routing["signed"]
+    lim = max(float(np.abs(W).max()) for W in heat) or 1.0  # one colour scale for every layer
+    for ax, e, W in zip(maps, layers, heat, strict=True):
+        im = ax.imshow(W, cmap="RdBu_r" if signed else "viridis", vmin=-lim if signed else 0.0, vmax=lim,
+                       aspect="auto", interpolation="nearest")
+        blocks = e["source_blocks"] if signed else [[m, m + 1] for m in range(W.shape[1])]
+        _source_ticks(ax, blocks, signed)
         ax.set_yticks(range(W.shape[0]))
         ax.set_title(f"layer {e['layer']}", fontsize=9)
-        ax.set_xlabel("source (layer, head)" if routing["signed"] else "source layer")
-        ax.set_ylabel("consumer head")
-        fig.colorbar(im, ax=ax, shrink=0.8)
-    ax = axes[0][n]
-    for e in layers:
-        ax.plot(range(len(e["share"])), e["share"], marker="o", label=f"layer {e['layer']}")
-    ax.set_xlabel("source layer")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("share of |weight|")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
-    ax = axes[0][n + 1]
-    ax.plot([e["layer"] for e in layers], [e["expected_layer"] for e in layers], marker="o",
-            color=arch_color(run["arch"]), label="expected retrieved layer")
-    ax.plot([e["layer"] for e in layers], [float(np.mean(e["self_retrieval"])) for e in layers], marker="s",
-            ls="--", color="grey", label="mean self-retrieval")
-    ax.set_xlabel("layer")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+        ax.set_ylabel("consumer head", fontsize=8)
+    top.colorbar(im, ax=list(maps), shrink=0.9, label="router weight" + (" (signed)" if signed else ""))
+    share_ax, expect_ax, self_ax = bottom.subplots(1, 3, squeeze=False)[0]
+    consumers = [e["layer"] for e in layers]
+    for k, e in enumerate(layers):
+        share_ax.plot(range(len(e["share"])), e["share"], marker="o", color=PALETTE[k % len(PALETTE)],
+                      label=f"layer {e['layer']}")
+    share_ax.set_xlabel("source layer")
+    share_ax.set_ylabel("share of |weight|")
+    share_ax.set_title("where each layer reads from", fontsize=9)
+    layer_axis(share_ax, [m for e in layers for m in range(len(e["share"]))])
+    share_ax.legend(fontsize=7, title="consumer", title_fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    color = arch_color(run["arch"])
+    expect_ax.plot(consumers, [e["expected_layer"] for e in layers], marker="o", color=color)
+    expect_ax.plot(consumers, consumers, ls=":", color="grey", lw=1)  # reading only from itself
+    expect_ax.set_ylabel("expected source layer")
+    expect_ax.set_title("expected retrieved layer (dotted: itself)", fontsize=9)
+    layer_axis(expect_ax, consumers, "y")
+    self_ax.plot(consumers, [float(np.mean(e["self_retrieval"])) for e in layers], marker="s", color=color)
+    self_ax.set_ylabel("weight on the own layer (mean over heads)")
+    self_ax.set_title("self-retrieval", fontsize=9)
+    for ax in (expect_ax, self_ax, share_ax):
+        ax.grid(alpha=0.3)
+    for ax in (expect_ax, self_ax):
+        ax.set_xlabel("consumer layer")
+        layer_axis(ax, consumers)
     fig.suptitle(f"{run['label']}: LIMe {routing['variant']} router ({routing['source']})", fontsize=9)
     return save(fig, plots_dir, name)
 
@@ -190,17 +229,20 @@ def plot_streams(run: dict, plots_dir: str | Path, name: str) -> list[Path]:
     """A momentum run's learned scalars per layer, attention and MLP substeps."""
     rows = run["stream_scalars"]
     keys = sorted({k for r in rows for k in r if k not in ("layer", "substep")})
-    fig, axes = new_figure(3.0 * max(1, len(keys)), 3.2, ncols=max(1, len(keys)))
+    fig, axes = new_figure(3.0 * max(1, len(keys)), 3.6, ncols=max(1, len(keys)))
     for ax, key in zip(axes[0], keys, strict=False):
         for sub, ls in (("attn", "-"), ("mlp", "--")):
             pts = [(r["layer"], r[key]) for r in rows if r["substep"] == sub and key in r]
             if pts:
-                ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", color=arch_color(run["arch"]), label=sub)
+                ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", color=arch_color(run["arch"]),
+                        label={"attn": "attention substep", "mlp": "MLP substep"}[sub])
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("layer")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("learned value")
+        layer_axis(ax, [r["layer"] for r in rows])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    legend_below(fig, handles, labels)
     fig.suptitle(f"{run['label']}: optimizer-stream scalars", fontsize=9)
     return save(fig, plots_dir, name)
 

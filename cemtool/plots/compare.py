@@ -4,7 +4,8 @@
   (reports/forgetting.json of the fine-tuned runs), forgetting and plasticity in the legend;
 - eigenvalues per layer: lambda_max, lambda_min and tr(H)/n of each layer's parameter block, from the
   ``cemtool sharpness --params layer:N`` reports (reports/sharpness-layer-N.json) of one or several runs;
-- comparison bars: one bar per architecture and measure with error bars (reports/compare.json).
+- comparison: per architecture and measure, the mean over seeds with its standard error and the single runs
+  (reports/compare.json).
 
 Colour = architecture (:func:`cemtool.plots.style.arch_color`) and line style = seed, as in the training curves.
 """
@@ -18,7 +19,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from cemtool.plots.style import arch_color, legend_below, new_figure, save, variant_index
+from cemtool.plots.style import arch_color, layer_axis, legend_below, new_figure, plain_numbers, save, variant_index
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES
 
 # --------------------------------------------------------------------------------------------------------------
@@ -107,6 +108,10 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
                 continue
             x, y, yerr, conv = (list(v) for v in zip(*pts, strict=True))
             ax.errorbar(x, y, yerr=yerr, color=color, ls=ls, marker="o", capsize=2, label=e["label"])
+            for xi, yi, r in zip(x, y, [r for r in reps if r["eigen"].get(end)], strict=True):
+                if len(tokens) > 1:  # mixed N: each point marked with its own
+                    ax.annotate(f"N={r.get('tokens'):,}", (xi, yi), textcoords="offset points", xytext=(4, 4),
+                                fontsize=6, color=color)
             bad = [(xi, yi) for xi, yi, c in zip(x, y, conv, strict=True) if not c]
             if bad:
                 ax.plot(*zip(*bad, strict=True), ls="none", marker="o", ms=9, mfc="white", mec=color)
@@ -122,78 +127,105 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
     for ax, title in zip(axes[0], titles, strict=False):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
-        ax.set_xlim(min(all_layers) - 0.4, max(all_layers) + 0.4)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        layer_axis(ax, all_layers)
+        plain_numbers(ax)
         ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("Hessian eigenvalue (nats/token)")
+    axes[0, 0].set_ylabel(f"Hessian eigenvalue ({CURVATURE})", fontsize=8)
+    axes[0, 1].set_ylabel(f"Hessian eigenvalue ({CURVATURE})", fontsize=8)
     if has_trace:
-        axes[0, 2].set_ylabel("mean Hessian eigenvalue (nats/token)")
+        axes[0, 2].set_ylabel(f"mean Hessian eigenvalue ({CURVATURE})", fontsize=8)
     axes[0, 1].axhline(0.0, color="0.6", lw=0.8)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     legend_below(fig, handles, labels, most=4)
+    n_text = (f"N = {tokens[0]:,} tokens" if len(tokens) == 1 else
+              f"mixed N = {', '.join(f'{t:,}' for t in tokens)} tokens (marked): not comparable")
     fig.suptitle("Hessian of the loss restricted to each layer's parameters (Lanczos; hollow: not converged); "
-                 f"N = {', '.join(f'{t:,}' for t in tokens)} tokens", fontsize=9)
+                 + n_text, fontsize=9, color="#B00000" if len(tokens) > 1 else "black")
     return save(fig, plots_dir, name)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# comparison bars
+# comparison: a point per group with its interval
 
 
-HATCHES = ["", "//", "..", "xx", "\\\\"]  # the 1st, 2nd, ... group of one architecture (same colour)
-FILLS = ["full", "none", "left", "bottom"]  # the same for scatter markers
+FILLS = ["full", "none", "left", "bottom"]  # the 1st, 2nd, ... group of one architecture (same colour)
+N_MARKERS = "os^Dv<>"  # the runs' own points: one marker per evaluation token count N of the curvature
 
 
-def bar_figure(groups: list[dict], measures: list[dict], title: str = ""):
-    """``groups``: [{"label", "arch"}] (one bar colour each); ``measures``: [{"name", "unit", "values":
-    [{"mean", "se", "n", "points": [...]}] aligned with groups}]. One panel per measure: bars (mean) with
-    error bars (s.e.), the individual seeds as dots, n under each bar."""
+def interval_figure(groups: list[dict], measures: list[dict], title: str = ""):
+    """``groups``: [{"label", "arch"}] (one colour each); ``measures``: [{"name", "unit", "values":
+    [{"mean", "se", "n", "points": [...], "tokens": [...]}] aligned with groups}]. One panel per measure: the mean
+    as a large marker with its standard error, the individual runs as small dots beside it, n under each group.
+    The y axis spans the data (not zero), so that small differences are visible. Where a measure's runs were
+    evaluated on different token counts N (curvature depends on N), their dots get one marker per N and the panel
+    says so."""
     n = len(measures)
     ncols = min(3, n)
     nrows = (n + ncols - 1) // ncols
     fig, axes = new_figure(3.9 * ncols, 3.6 * nrows, ncols=ncols, nrows=nrows)
     flat = axes.reshape(-1)
     x = np.arange(len(groups))
-    # groups sharing an architecture share its colour: the second, third, ... get hatching
-    hatches = [HATCHES[k % len(HATCHES)] for k in variant_index([g["arch"] for g in groups])]
+    fills = [FILLS[k % len(FILLS)] for k in variant_index([g["arch"] for g in groups])]
     crowded = len(groups) > 4 or max(len(g["label"]) for g in groups) > 12  # slanted tick labels
+    mixed_any = []
     for ax, m in zip(flat, measures, strict=False):
+        ns = sorted({t for v in m["values"] if v for t in v.get("tokens") or [] if t is not None})
+        mixed = len(ns) > 1
         for i, (g, v) in enumerate(zip(groups, m["values"], strict=True)):
             if v is None or v.get("mean") is None:
-                ax.text(i, 0, "n/a", ha="center", va="bottom", fontsize=7, color="0.4")
+                ax.annotate("n/a", (i, 0.5), xycoords=("data", "axes fraction"), ha="center", fontsize=7,
+                            color="0.4")
                 continue
-            ax.bar(i, v["mean"], yerr=v.get("se"), color=arch_color(g["arch"]), capsize=4, alpha=0.85,
-                   edgecolor="k", lw=0.5, hatch=hatches[i])  # no error bar for a single run
+            color = arch_color(g["arch"])
             pts = v.get("points") or []
-            if len(pts) > 1:
-                jitter = np.linspace(-0.15, 0.15, len(pts))
-                ax.plot(i + jitter, pts, ls="none", marker=".", color="k", ms=4)
+            toks = v.get("tokens") or [None] * len(pts)
+            jitter = np.linspace(-0.06, 0.06, len(pts)) if len(pts) > 1 else np.zeros(len(pts))
+            for dx, y, t in zip(jitter, pts, toks, strict=True):
+                mk = N_MARKERS[ns.index(t) % len(N_MARKERS)] if mixed and t in ns else "."
+                ax.plot(i + 0.2 + dx, y, ls="none", marker=mk, color="0.25", ms=4 if mk == "." else 3.5)
+            ax.errorbar(i, v["mean"], yerr=v.get("se"), color=color, marker="o", ms=8, capsize=4, lw=1.6,
+                        mec=color, mfc=color if fills[i] == "full" else "white", fillstyle=fills[i])
         ticks = [f"{g['label']} (n={v['n'] if v else 0})" if crowded else f"{g['label']}\n(n={v['n'] if v else 0})"
                  for g, v in zip(groups, m["values"], strict=True)]
         if crowded:
             ax.set_xticks(x, ticks, fontsize=7, rotation=35, ha="right", rotation_mode="anchor")
         else:
             ax.set_xticks(x, ticks, fontsize=8)
-        ax.set_title(m["name"], fontsize=9)
-        ax.set_ylabel(m.get("unit", ""))
-        ax.axhline(0.0, color="0.5", lw=0.6)
+        ax.set_xlim(-0.5, len(groups) - 0.5)
+        where = ""
+        if ns:
+            where = (f"\nmixed N = {', '.join(f'{t:,}' for t in ns)} tokens: not comparable" if mixed
+                     else f"\nN = {ns[0]:,} tokens")
+        if mixed:
+            mixed_any.append(ns)
+        ax.set_title(m["name"] + where, fontsize=9, color="#B00000" if mixed else "black")
+        ax.set_ylabel(m.get("unit", ""), fontsize=8)
+        lo, hi = ax.get_ylim()
+        if lo < 0 < hi:
+            ax.axhline(0.0, color="0.6", lw=0.6)
         ax.grid(alpha=0.3, axis="y")
     for ax in flat[n:]:
         ax.axis("off")
+    if mixed_any:
+        ns = sorted({t for group in mixed_any for t in group})
+        legend_below(fig, [Line2D([], [], ls="none", marker=N_MARKERS[k % len(N_MARKERS)], color="0.25")
+                           for k in range(len(ns))], [f"run measured on N = {t:,} tokens" for t in ns])
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
 
 
 BARS = ("gap", "lambda_max", "trace_per_param", "forgetting", "plasticity", "value_entropy", "separability")
+CURVATURE = "nats/token per (unit of θ)²"  # a second derivative of the loss in the parameters θ
 TITLES = {"gap": "final validation loss - entropy floor", "val_loss": "final validation loss",
           "lambda_max": "largest Hessian eigenvalue λ_max", "trace_per_param": "Hessian trace per parameter tr(H)/n",
           "forgetting": "forgetting (source loss after - before)",
           "plasticity": "plasticity (target loss before - after)",
           "value_entropy": "value entropy, last layer", "separability": "value separability, last layer"}
-UNITS = {"gap": "nats/token", "val_loss": "nats/token", "lambda_max": "nats/token", "trace_per_param": "nats/token",
+UNITS = {"gap": "nats/token", "val_loss": "nats/token", "lambda_max": CURVATURE, "trace_per_param": CURVATURE,
          "forgetting": "nats/token", "plasticity": "nats/token", "value_entropy": "Rényi entropy (nats)",
          "separability": "probe accuracy (CV)"}
+TOKENS_OF = {"lambda_max": "sharpness_tokens", "trace_per_param": "sharpness_tokens"}  # measures that depend on N
 
 
 def _run_value(run: dict, metric: str) -> float | None:
@@ -204,20 +236,22 @@ def _run_value(run: dict, metric: str) -> float | None:
 
 
 def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
-    """Groups and bar measures of a compare.json: per architecture, mean and standard error (std / sqrt(n)) of
-    each metric over its runs, and the runs' own values."""
+    """Groups and measures of a compare.json: per architecture, mean and standard error (std / sqrt(n)) of each
+    metric over its runs, the runs' own values and, for the curvatures, the token count N each was measured on."""
     groups = [{"label": a["label"], "arch": a["arch"]} for a in report["archs"]]
     has_floor = all(r.get("val_floor") is not None for r in report["runs"])
     measures = []
     for m in (BARS if has_floor else ("val_loss", *BARS[1:])):
         values = []
         for a in report["archs"]:
-            pts = [v for r in report["runs"] if r["label"] == a["label"] and (v := _run_value(r, m)) is not None]
+            runs = [r for r in report["runs"] if r["label"] == a["label"] and _run_value(r, m) is not None]
+            pts = [_run_value(r, m) for r in runs]
             if not pts:
                 values.append(None)
                 continue
             se = float(np.std(pts, ddof=1) / np.sqrt(len(pts))) if len(pts) > 1 else None
-            values.append({"mean": float(np.mean(pts)), "se": se, "n": len(pts), "points": pts})
+            values.append({"mean": float(np.mean(pts)), "se": se, "n": len(pts), "points": pts,
+                           "tokens": [r.get(TOKENS_OF[m]) for r in runs] if m in TOKENS_OF else None})
         if any(v is not None for v in values):
             measures.append({"key": m, "name": TITLES[m], "unit": UNITS[m], "values": values})
     return groups, measures
@@ -250,7 +284,12 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
         rho = "n/a" if c["rho"] is None else f"{c['rho']:+.2f}"
         p = "" if c["p"] is None else f", p = {c['p']:.2g} ({c['p_method']})"
         note = f"\n{c['note']}" if c.get("note") else ""
-        ax.set_title(f"Spearman ρ = {rho}{p}, n = {c['n']}{note}", fontsize=8)
+        ns = sorted({r.get(TOKENS_OF[k]) for k in (c["x"], c["y"]) if k in TOKENS_OF for r in report["runs"]
+                     if r.get(c["x"]) is not None and r.get(c["y"]) is not None and r.get(TOKENS_OF[k])})
+        if len(ns) > 1:
+            note += f"\nmixed N = {', '.join(f'{t:,}' for t in ns)} tokens: curvatures not comparable"
+        ax.set_title(f"Spearman ρ = {rho}{p}, n = {c['n']}{note}", fontsize=8,
+                     color="#B00000" if len(ns) > 1 else "black")
         ax.set_xlabel(f"{TITLES.get(c['x'], c['x'])} ({UNITS.get(c['x'], '')})", fontsize=8)
         ax.set_ylabel(f"{TITLES.get(c['y'], c['y'])} ({UNITS.get(c['y'], '')})", fontsize=8)
         ax.grid(alpha=0.3)
@@ -310,7 +349,7 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("layer")
         ax.set_ylabel(unit)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        layer_axis(ax, [k for row in rows for k in row["layers"]])
         ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     legend_below(fig, handles, labels)
@@ -319,17 +358,17 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
 
 
 def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> list[Path]:
-    """The comparison bars (one panel per metric, one bar per architecture), the correlation scatters and the
-    per-layer collapse measures."""
+    """The comparison (one panel per metric, a mean with its standard error per architecture), the correlation
+    scatters and the per-layer collapse measures."""
     groups, measures = compare_measures(report)
     if not measures:
         return []
-    fig = bar_figure(groups, measures, f"{len(report['runs'])} runs: bars = mean over seeds, error bars = standard "
-                                       f"error (std/√n), dots = single runs")
+    fig = interval_figure(groups, measures, f"{len(report['runs'])} runs: large markers = mean over seeds, error "
+                                            f"bars = standard error (std/√n), dots = single runs")
     return (save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
             + plot_compare_layers(report, plots_dir, f"{name}_layers"))
 
 
-__all__ = ["BARS", "bar_figure", "compare_measures", "layer_measures", "layer_of", "plot_compare",
+__all__ = ["BARS", "interval_figure", "compare_measures", "layer_measures", "layer_of", "plot_compare",
            "plot_compare_layers", "plot_correlations",
            "plot_forgetting", "plot_layer_eigenvalues"]

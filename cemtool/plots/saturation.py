@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import FuncFormatter
 
-from cemtool.plots.style import new_figure, save
+from cemtool.plots.style import PALETTE, legend_below, new_figure, save
 
 
 def plot_sweep(report: dict, plots_dir: str | Path, name: str = "saturation_sweep") -> list[Path]:
     summary = report["summary"]
     fig, axes = new_figure(6.4, 4.4)
     ax = axes[0, 0]
-    colors = plt.get_cmap("viridis")(np.linspace(0.1, 0.85, max(1, len(summary))))
+    colors = [PALETTE[k % len(PALETTE)] for k in range(len(summary))]
     for c, s in zip(colors, summary, strict=True):
         pts = s["points"]
         x = [p["head_dim"] for p in pts]
@@ -31,12 +31,14 @@ def plot_sweep(report: dict, plots_dir: str | Path, name: str = "saturation_swee
         if floors:
             ax.axhline(float(np.mean(floors)), color=c, ls="--", lw=0.8)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("head size d_h (heads H = budget / d_h)")
-    ax.set_ylabel("final validation loss (nats)")
+    ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title(f"{report['task']}: budget H d_h = {report['budget']}, {report['steps']} steps, "
                  f"{len(report['seeds'])} seed(s); dashed = floor", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    legend_below(fig, handles, labels, most=2)
     return save(fig, plots_dir, name)
 
 
@@ -47,17 +49,19 @@ def plot_truncation(report: dict, plots_dir: str | Path, name: str = "saturation
     fig, axes = new_figure(3.2 * n, 3.4, ncols=n)
     for ax, e in zip(axes[0], layers, strict=False):
         for h in e["per_head"]:
-            ax.plot(e["ranks"], h["loss_increase"], lw=0.8, alpha=0.6, marker=".", label=f"head {h['head']}")
+            ax.plot(e["ranks"], h["loss_increase"], lw=0.9, alpha=0.8, marker=".",
+                    color=PALETTE[h["head"] % len(PALETTE)], label=f"head {h['head']}")
         ax.plot(e["ranks"], e["layer_loss_increase"], lw=2.2, color="k", marker="o", label="all heads")
-        ax.axhline(sat["tolerance"], color="grey", ls=":", lw=1)
+        ax.axhline(sat["tolerance"], color="grey", ls=":", lw=1, label=f"tolerance {sat['tolerance']:g}")
         ax.set_xscale("symlog", base=2, linthresh=1)
         ax.set_xticks(e["ranks"], [str(r) for r in e["ranks"]])
         ax.minorticks_off()
         ax.set_title(f"layer {e['layer']} ({e['truncation']}, tolerates r = {e['tolerated_rank']})", fontsize=8)
         ax.set_xlabel("rank r of the score form")
         ax.grid(alpha=0.3)
-    axes[0, 0].set_ylabel("loss increase (nats)")
-    axes[0, 0].legend(fontsize=6)
+    axes[0, 0].set_ylabel("loss increase (nats/token)")
+    handles, labels = max((ax.get_legend_handles_labels() for ax in axes[0]), key=lambda hl: len(hl[1]))
+    legend_below(fig, handles, labels, most=8)
     return save(fig, plots_dir, f"{name}_truncation")
 
 
@@ -67,15 +71,17 @@ def plot_logits(report: dict, plots_dir: str | Path, name: str = "saturation") -
         return []
     fig, axes = new_figure(6.4, 4.2)
     ax = axes[0, 0]
-    colors = plt.get_cmap("plasma")(np.linspace(0.05, 0.85, len(logits)))
+    colors = [PALETTE[k % len(PALETTE)] for k in range(len(logits))]
     for c, (layer, d) in zip(colors, sorted(logits.items(), key=lambda kv: int(kv[0])), strict=True):
         ax.plot(d["context_length"][1:], np.mean(np.array(d["logit_range"]), axis=0)[1:], color=c,
                 label=f"layer {layer}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length t + 1")
     ax.set_ylabel("logit range max - min (mean over heads)")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()
+    legend_below(fig, handles, labels)
     return save(fig, plots_dir, f"{name}_logits")
 
 

@@ -1,9 +1,10 @@
 """Training curves from run directories (metrics.jsonl, meta.json, config.json); never recomputes.
 
 Several runs share one pair of axes: colour per architecture (:func:`cemtool.plots.style.arch_color`), line style
-per seed (per run, where runs share architecture and seed). The thin line is the training loss, the line with
-markers the validation loss, and the black dashed line the corpus's entropy floor (the exact mean -log p of the
-validation targets; no model can go below it). A second panel shows the validation gap above the floor on a log
+per seed (per run, where runs share architecture and seed). The thin line is the training loss (a moving average of the
+logged batches, :func:`smoothed`), the line with markers the validation loss, and the black
+dashed line the corpus's entropy floor where one is known (the exact mean -log p of the validation targets; no model
+can go below it). A second panel shows the validation gap above the floor on a log
 scale when a floor is known.
 
 Only JSON is read here (no torch import), so ``cemtool plot`` works on a run whose checkpoints were deleted.
@@ -103,6 +104,20 @@ def distinguishable(runs: list[RunCurves]) -> bool:
         max(archs.count(a) for a in archs) <= len(SEED_STYLES)
 
 
+SMOOTH_FRACTION = 0.05  # the training loss's moving-average window, as a fraction of the run's logged batches
+
+
+def smoothed(values: list[float], fraction: float = SMOOTH_FRACTION) -> np.ndarray:
+    """Centred moving average of a run's logged batch losses over a window of ``fraction`` of the run (at least 3
+    batches; cut at both ends), so that the curve neither shows one noisy batch nor lags behind the loss."""
+    v = np.asarray(values, dtype=float)
+    half = max(1, int(round(fraction * len(v) / 2)))
+    c = np.concatenate([[0.0], np.cumsum(v)])  # c[i] = sum of v[:i]
+    idx = np.arange(len(v))
+    lo, hi = np.maximum(idx - half, 0), np.minimum(idx + half + 1, len(v))
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
 def _x(row: dict, axis: str) -> float:
     return row.get(axis, row.get("step", 0)) if axis == "tokens" else row.get("step", 0)
 
@@ -130,8 +145,8 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
     for r, ls in zip(runs, styles, strict=True):
         color = arch_color(r.arch)
         if r.train:
-            ax.plot([_x(t, x_axis) for t in r.train], [t["train_loss"] for t in r.train], color=color, ls=ls,
-                    lw=0.9, alpha=0.45)
+            ax.plot([_x(t, x_axis) for t in r.train], smoothed([t["train_loss"] for t in r.train]), color=color,
+                    ls=ls, lw=0.9, alpha=0.55)
         if r.val:
             ax.plot([_x(v, x_axis) for v in r.val], [v["val_loss"] for v in r.val], color=color, ls=ls, lw=1.8,
                     marker="o", ms=3.5, label=r.label)
@@ -143,7 +158,7 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
         ax.xaxis.set_major_formatter(EngFormatter(sep=""))
     ax.set_title("training (thin) and validation (markers) loss", fontsize=9)
     ax.grid(alpha=0.3)
-    _legend_below(fig, ax, floors)
+    _legend_below(fig, ax, floors, train=any(r.train for r in runs))
     _zoom(ax, runs, floors)
     if has_gap:
         gx = axes[0, 1]
@@ -163,9 +178,13 @@ def training_figure(runs: list[RunCurves], x_axis: str = "tokens"):
     return fig
 
 
-def _legend_below(fig, ax, floors: list[float]) -> None:
-    """The runs of ``ax`` and the entropy floor in one legend below the axes."""
+def _legend_below(fig, ax, floors: list[float], train: bool = False) -> None:
+    """The runs of ``ax``, the smoothing of the training loss (``train``) and the entropy floor in one legend
+    below the axes."""
     handles, labels = ax.get_legend_handles_labels()
+    if train:
+        handles.append(Line2D([], [], color="0.4", lw=0.9, alpha=0.55))
+        labels.append(f"training loss: moving average over {SMOOTH_FRACTION:.0%} of the run's batches")
     if floors:
         handles.append(Line2D([], [], color=FLOOR_COLOR, ls="--", lw=1.2))
         labels.append(f"entropy floor {floors[0]:.3f}" if len(floors) == 1 else "entropy floors")
@@ -190,7 +209,7 @@ def _zoom(ax, runs: list[RunCurves], floors: list[float], train: bool = True) ->
     (about ln(vocabulary) at initialisation) above the top, so that the part near the floor is readable
     (``train``: whether training losses are on the axes)."""
     vals = [v["val_loss"] for r in runs for v in r.val]
-    trains = [t["train_loss"] for r in runs for t in r.train] if train else []
+    trains = [v for r in runs if r.train for v in smoothed([t["train_loss"] for t in r.train])] if train else []
     if not vals and not trains:
         return
     lo = min(vals + trains + floors)
@@ -280,6 +299,6 @@ def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, nam
     return save(training_figure(curves, x_axis), plots_dir, name)
 
 
-__all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "distinguishable", "group_runs", "is_run_dir", "label_runs",
-           "line_styles", "plot_training", "plot_training_groups", "read_json", "read_run",
-           "training_figure", "training_groups_figure"]
+__all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "SMOOTH_FRACTION", "distinguishable", "group_runs",
+           "is_run_dir", "label_runs", "line_styles", "plot_training", "plot_training_groups", "read_json", "read_run",
+           "smoothed", "training_figure", "training_groups_figure"]
