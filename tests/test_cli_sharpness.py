@@ -179,3 +179,10 @@ def test_the_stage_bar_completes_when_a_stage_stops_early():
         task = bar.bar.tasks[0]
         assert task.finished and task.completed == task.total == 20
         assert task.fields["status"] == "stopped early (20 of 40)"
+
+
+def test_quick_keeps_the_options_given_on_the_command_line(run_dir):
+    res = invoke(run_dir, *QUICK, "--tokens", "512", "--top-k", "5", "--landscape", "none", "--no-plot", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    assert rep["tokens"] == rep["tokens_requested"] == 512 and len(rep["eigen"]["top"]) == 5  # not capped to 3

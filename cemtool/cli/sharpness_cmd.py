@@ -97,6 +97,12 @@ def _summary(rep, header: str) -> list[list[str]]:
     return rows
 
 
+def _given(ctx: typer.Context, option: str) -> bool:
+    """Was the option (its Python name) given on the command line, rather than left at its default?"""
+    source = ctx.get_parameter_source(option)
+    return source is not None and source.name != "DEFAULT"
+
+
 def _slug(params: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", params).strip("-") or "subset"
 
@@ -104,6 +110,7 @@ def _slug(params: str) -> str:
 @app.command()
 @guarded
 def sharpness(
+    ctx: typer.Context,
     run: Annotated[Path, typer.Argument(help="a run directory, a Hugging Face model directory, or "
                                              "hf:ORG/NAME[@REVISION]")],
     checkpoint: Annotated[str, typer.Option(help="final, latest, a step number, or a checkpoint file")] = "final",
@@ -150,8 +157,8 @@ def sharpness(
     = "cemtool",
     seed: Annotated[int, typer.Option(help="seed of every random vector and direction (default 0)")] = 0,
     device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N")] = "auto",
-    quick: Annotated[bool, typer.Option("--quick", help="small budgets: 1024 tokens, top-3, 20-step Lanczos, "
-                                        "20-HVP trace, 7-point slice")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="small budgets for the options not given: 1024 tokens, "
+                                        "top-3, 20-step Lanczos, 20-HVP trace, 7-point slice")] = False,
     name: Annotated[Optional[str], typer.Option(help="report name (default sharpness, or sharpness-<params> for a "
                                                 "subset; sharpness_pyhessian for --backend pyhessian)")] = None,
     plot: Annotated[bool, typer.Option("--plots/--no-plots", help="write figures to plots/ (default on)")] = True,
@@ -174,12 +181,12 @@ def sharpness(
         safe_name(name, "--name")
     if run.is_file():
         raise CemtoolError(f"{run} is a file, not a run directory", hint="pass the directory `cemtool train` made")
-    if quick:
-        tokens = min(tokens, QUICK["tokens"])
-        top_k, bottom_k = min(top_k, QUICK["top_k"]), min(bottom_k, QUICK["bottom_k"])
-        lanczos_steps, trace_hvps = min(lanczos_steps, QUICK["lanczos_steps"]), min(trace_hvps, QUICK["trace_hvps"])
-        density_runs, density_steps = min(density_runs, 1), min(density_steps, QUICK["density_steps"])
-        avg_samples = min(avg_samples, QUICK["avg_samples"])
+    if quick:  # small budgets for every option not given on the command line; a given one is kept as asked
+        q = {k: v for k, v in QUICK.items() if not _given(ctx, k)}
+        tokens, top_k, bottom_k = q.get("tokens", tokens), q.get("top_k", top_k), q.get("bottom_k", bottom_k)
+        lanczos_steps, trace_hvps = q.get("lanczos_steps", lanczos_steps), q.get("trace_hvps", trace_hvps)
+        density_runs, density_steps = q.get("density_runs", density_runs), q.get("density_steps", density_steps)
+        avg_samples = q.get("avg_samples", avg_samples)
     if tokens <= 0:
         raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
