@@ -111,9 +111,11 @@ def memory_estimate(m: ModelConfig, batch_size: int = 0, seq_len: int = 0, train
                     params: int | None = None) -> dict:
     """Bytes a model needs, from its config alone (fp32): weights; for training also gradients and AdamW's two
     moments (16 bytes per parameter in all); and activations for a batch of ``batch_size`` x ``seq_len`` tokens.
-    Activations are an estimate: per token and layer about 10 d + 4 h + 2 H T floats are kept for the backward
-    pass (d width, h MLP width, H heads, T tokens: attention scores), times the recursive steps of CEM layers and
-    2 for the extra streams of momentum layers, plus 3 V floats per token for the logits; without training, the
+    Activations are an estimate: per token and layer about 16 d + 6 h + 3 H T floats are kept for the backward
+    pass (d width, h MLP width, H heads, T tokens: attention scores; H T with the fused attention kernel), times
+    the recursive steps of CEM layers, 2.5 for the extra streams of momentum layers and 1.25 for LIMe's memory,
+    plus 4 V floats per token for the logits (0.85x to 1.75x the peak resident memory measured for a CPU
+    training step of five families at three shapes: benchmarks/memory_estimate.py); without training, the
     largest of these tensors three times over. The one estimate that training, loading a run and analyses use.
     ``params``: a parameter count to use instead of the exact one (:func:`count_params`)."""
     from cemtool.models.allocation import layer_shapes
@@ -123,11 +125,12 @@ def memory_estimate(m: ModelConfig, batch_size: int = 0, seq_len: int = 0, train
     family = get_arch(m.arch).family
     d, h, T = m.d_model, mlp_hidden(m.d_model, m.mlp, m.mlp_hidden), seq_len
     heads = max(H for H, _ in layer_shapes(m))
-    repeat = m.cem.steps if family == "cem" else 2 if family == "momentum" else 1
-    per_layer = (10 * d + 4 * h + 2 * heads * T) * repeat  # floats per token
+    repeat = {"cem": m.cem.steps, "momentum": 2.5, "lime": 1.25}.get(family, 1)  # extra work per layer
+    scores = 3 if m.attn_impl == "explicit" else 1  # the fused kernel keeps less than the T x T probabilities
+    per_layer = int((16 * d + 6 * h + scores * heads * T) * repeat)  # floats per token
     tokens = batch_size * seq_len
     if training:
-        acts = 4 * tokens * (m.n_layer * per_layer + 3 * m.vocab_size)
+        acts = 4 * tokens * (m.n_layer * per_layer + 4 * m.vocab_size)
     else:
         acts = 4 * tokens * 3 * max(per_layer, m.vocab_size)
     weights = 4 * params
