@@ -98,3 +98,22 @@ def test_bad_input(tmp_path):
                    "unknown architecture 'nope'")
     one_line_error(invoke("demo", "--quick", "--seeds", "zero", "--out", tmp_path / "y"), "seeds must be integers")
     assert not Path(tmp_path / "x").exists() and not Path(tmp_path / "y").exists()
+
+
+def test_every_json_file_is_strict_json(demo):
+    """Reports are strict JSON (null, never NaN/Infinity): every .json the demo writes parses without Python's
+    non-standard constants."""
+
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    out, _ = demo
+    files = sorted(out.rglob("*.json"))
+    assert len(files) > 20  # runs' config/meta, every report, the study, the comparison
+    bad = []
+    for f in files:
+        try:
+            json.loads(f.read_text(), parse_constant=refuse)
+        except ValueError as e:
+            bad.append(f"{f.relative_to(out)}: {e}")
+    assert not bad, bad
