@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -140,19 +141,31 @@ def memory_estimate(m: ModelConfig, batch_size: int = 0, seq_len: int = 0, train
 
 
 def available_memory(device: str | torch.device) -> int | None:
+def _cgroup_free() -> int | None:
+    """What a cgroup-v2 memory limit (a container's) still allows, if there is one."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
+
+
     """Free bytes on the device (CUDA: free memory; MPS: the recommended limit less what is allocated; CPU: the
-    kernel's MemAvailable), or None if unknown."""
+    kernel's MemAvailable, or less under a container's cgroup limit), or None if unknown."""
     dev = torch.device(device)
     try:
         if dev.type == "cuda":
             return int(torch.cuda.mem_get_info(dev)[0])
         if dev.type == "mps":
             return int(torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory())
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = None
+        if os.path.exists("/proc/meminfo"):
+            with open("/proc/meminfo") as f:
+                free = next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+        if free is None:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return min(free, _cgroup_free() or free)
     except (OSError, ValueError, AttributeError, RuntimeError):
         return None
 
