@@ -383,7 +383,7 @@ class Run:
 
     def append_metrics(self, row: dict) -> None:
         p = self.path / "metrics.jsonl"
-        line = (json.dumps(row, default=_json_default) + "\n").encode("utf-8")
+        line = (json.dumps(_json_default(row), allow_nan=False) + "\n").encode("utf-8")  # strict: NaN -> null
         try:
             fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -401,7 +401,8 @@ class Run:
     def truncate_metrics(self, step: int) -> None:
         """Drop metric lines after ``step`` (a resumed run re-logs them)."""
         rows = [r for r in self.metrics() if r.get("step", 0) <= step]
-        atomic_write_text(self.path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        text = "".join(json.dumps(_json_default(r), allow_nan=False) + "\n" for r in rows)
+        atomic_write_text(self.path / "metrics.jsonl", text)
 
     def write_report(self, name: str, obj: Any) -> Path:
         path = self.reports / f"{safe_name(name)}.json"
@@ -493,6 +494,8 @@ def _clean_stale_creations(path: Path) -> None:
 
 def open_run(path: str | Path, *, lock: bool = False) -> Run:
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CemtoolError(f"{path} is a file, not a run directory")
     if not path.is_dir():
         raise CemtoolError(f"run directory {path} does not exist")
     if not is_run(path):

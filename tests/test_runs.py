@@ -137,3 +137,38 @@ def test_safetensors_whose_header_length_starts_with_0x80_is_accepted(tmp_path):
     p = tmp_path / "x.safetensors"
     p.write_bytes(blob)
     assert read_checkpoint(p).step == 3
+
+
+def _raise(c):
+    raise ValueError(f"non-strict JSON constant {c}")
+
+
+def test_metrics_rows_are_strict_json(tmp_path):
+    from cemtool.config import RunConfig
+
+    run = create_run(tmp_path / "r", RunConfig())
+    run.append_metrics({"step": 1, "train_loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    run.append_metrics({"step": 2, "train_loss": 2.5})
+    lines = (run.path / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line, parse_constant=_raise) for line in lines]
+    assert rows[0]["train_loss"] is None and rows[0]["grad_norm"] is None and rows[1]["train_loss"] == 2.5
+    run.truncate_metrics(2)  # rewritten rows stay strict
+    for line in (run.path / "metrics.jsonl").read_text().splitlines():
+        json.loads(line, parse_constant=_raise)
+
+
+def test_console_json_is_strict(capsys):
+    import numpy as np
+
+    from cemtool.cli.console import print_json
+
+    print_json({"a": float("nan"), "b": np.array([1.0, np.inf]), "c": np.float32(2.0), "p": "x"})
+    out = json.loads(capsys.readouterr().out, parse_constant=_raise)
+    assert out == {"a": None, "b": [1.0, None], "c": 2.0, "p": "x"}
+
+
+def test_a_file_is_not_a_run_directory(tmp_path):
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(b"x")
+    with pytest.raises(CemtoolError, match="is a file, not a run directory"):
+        open_run(f)

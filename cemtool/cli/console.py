@@ -16,8 +16,10 @@ from cemtool.errors import CemtoolError
 
 # without a terminal (pipes, files, CI logs) rich would wrap tables at 80 columns; tables are wider than that
 _WIDTH = None if sys.stdout.isatty() else 200
-out = Console(highlight=False, soft_wrap=True, width=_WIDTH)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# under torchrun only rank 0 prints results and progress; errors are printed by every rank (error_line)
+QUIET_RANK = int(os.environ.get("RANK", "0") or 0) > 0
+out = Console(highlight=False, soft_wrap=True, width=_WIDTH, quiet=QUIET_RANK)
+err = Console(stderr=True, highlight=False, soft_wrap=True, quiet=QUIET_RANK)
 
 DEBUG = os.environ.get("CEMTOOL_DEBUG", "") not in ("", "0")
 
@@ -47,7 +49,12 @@ def result(msg: str) -> None:
 
 
 def print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    """``obj`` as strict JSON on stdout: objects JSON does not know become strings, NaN and ±inf become null."""
+    def default(o: Any) -> Any:  # numpy/torch values as numbers and lists, anything else as its string
+        return o.tolist() if hasattr(o, "tolist") else str(o)
+
+    plain = json.loads(json.dumps(obj, default=default), parse_constant=lambda _: None)  # NaN, Infinity -> None
+    sys.stdout.write(json.dumps(plain, indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
