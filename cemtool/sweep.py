@@ -385,7 +385,7 @@ def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callba
     tokens, checkpoint = opts.pop("tokens", 2048), opts.pop("checkpoint", "final")
     loaded = load_run(run_path, checkpoint, device=device)
     x, y = evaluation_set(loaded, tokens)
-    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)))
+    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)), tokens_requested=tokens)
     write_sharpness_report(loaded, rep, seq_len=int(x.shape[1]), device=str(device), command="sweep")
 
 

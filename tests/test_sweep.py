@@ -129,6 +129,7 @@ def test_interrupted_sweep_resumes_from_the_checkpoint(interrupted):
     assert done["items"][1]["analyses"]["forgetting"]["run"] == "tmm-s0-ft-grammar-b"
     sharp = json.loads((out / "tmm-s0" / "reports" / "sharpness.json").read_text())
     assert sharp["tokens"] == 256 and len(sharp["eigen"]["top"]) == 1
+    assert sharp["tokens_requested"] == 256  # what the plan asked for is recorded beside what was used
 
 
 def test_resumed_training_equals_uninterrupted(killed, interrupted):
