@@ -23,6 +23,7 @@ import torch.distributed as dist
 from cemtool.analysis import curvature
 from cemtool.config import ModelConfig, RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
+from cemtool.distributed import Dist, init_distributed  # noqa: F401 (Dist: re-exported)
 from cemtool.errors import CemtoolError
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model, get_arch
@@ -53,26 +54,6 @@ def pick_device(device: str | None = None) -> torch.device:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise CemtoolError(f"device {device!r} requested but MPS is not available")
     return dev
-
-
-@dataclass(frozen=True)
-class Dist:
-    rank: int = 0
-    world: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-def init_distributed(device: torch.device) -> Dist:
-    """Join the torchrun process group if WORLD_SIZE > 1 (gloo on CPU, nccl on CUDA)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return Dist()
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return Dist(dist.get_rank(), dist.get_world_size())
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -141,16 +122,6 @@ def memory_estimate(m: ModelConfig, batch_size: int = 0, seq_len: int = 0, train
 
 
 def available_memory(device: str | torch.device) -> int | None:
-def _cgroup_free() -> int | None:
-    """What a cgroup-v2 memory limit (a container's) still allows, if there is one."""
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-    except (OSError, ValueError):
-        return None
-    return None if limit == "max" else max(0, int(limit) - used)
-
-
     """Free bytes on the device (CUDA: free memory; MPS: the recommended limit less what is allocated; CPU: the
     kernel's MemAvailable, or less under a container's cgroup limit), or None if unknown."""
     dev = torch.device(device)
@@ -168,6 +139,16 @@ def _cgroup_free() -> int | None:
         return min(free, _cgroup_free() or free)
     except (OSError, ValueError, AttributeError, RuntimeError):
         return None
+
+
+def _cgroup_free() -> int | None:
+    """What a cgroup-v2 memory limit (a container's) still allows, if there is one."""
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if limit == "max" else max(0, int(limit) - used)
 
 
 def check_memory(m: ModelConfig, device: str | torch.device = "cpu", *, batch_size: int = 0, seq_len: int = 0,

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cemtool.distributed import all_gather, all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.models.capture import capture, hook_points
 
@@ -140,6 +141,13 @@ class Moments:
         mean, std = self.mean_std()
         return (x.double() - mean) / std
 
+    def all_reduce(self) -> None:
+        """Sum the counts and sums over the ranks (nothing with one process)."""
+        n = all_reduce_sum(torch.tensor([float(self.n)], dtype=torch.float64))
+        self.n = int(n[0])
+        all_reduce_sum(self.sum)
+        all_reduce_sum(self.sumsq)
+
 
 class Scalars:
     """Mean, std and standard error of a stream of per-sequence values."""
@@ -153,6 +161,11 @@ class Scalars:
         self.n += v.numel()
         self.sum += float(v.sum())
         self.sumsq += float((v * v).sum())
+
+    def all_reduce(self) -> None:
+        """Sum the counts and sums over the ranks (nothing with one process)."""
+        t = all_reduce_sum(torch.tensor([float(self.n), self.sum, self.sumsq], dtype=torch.float64))
+        self.n, self.sum, self.sumsq = int(t[0]), float(t[1]), float(t[2])
 
     def summary(self) -> dict:
         if self.n == 0:
@@ -454,15 +467,31 @@ class ProbeSample:
     def add(self, name: str, feats: torch.Tensor) -> None:
         self.features.setdefault(name, []).append(feats.float().cpu())
 
+    def merge_ranks(self) -> None:
+        """Gather every rank's sample (each drawn from its contiguous shard, in order) and keep the first
+        ``per_class`` of each class in rank order: the sample one process would have drawn."""
+        parts = all_gather((self.labels, self.features))
+        if len(parts) == 1:
+            return
+        labels = [t for lab, _ in parts for t in lab]
+        if not labels:
+            return
+        y = torch.cat(labels)
+        keep = torch.zeros(len(y), dtype=torch.bool)
+        for c in range(self.k):
+            keep[torch.nonzero(y == c).squeeze(1)[:self.per_class]] = True
+        self.counts = [int((y[keep] == c).sum()) for c in range(self.k)]
+        self.labels = [y[keep]]
+        self.features = {n: [torch.cat([t for _, f in parts for t in f[n]])[keep]] for n in parts[0][1]}
+
     def balanced(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
-        """Features per name and labels, each class truncated to the rarest class's count m; returns m."""
+        """Features per name and labels, each class truncated to the rarest class's count m; returns m.
+        Samples are ordered by class, in evaluation order within a class (whatever the batching)."""
         if not self.labels:
             return {}, torch.zeros(0, dtype=torch.long), 0
         y = torch.cat(self.labels)
         m = min(self.counts)
-        keep = torch.zeros(len(y), dtype=torch.bool)
-        for c in range(self.k):
-            keep[torch.nonzero(y == c).squeeze(1)[:m]] = True
+        keep = torch.cat([torch.nonzero(y == c).squeeze(1)[:m] for c in range(self.k)])  # (k m,) class by class
         return {n: torch.cat(f)[keep] for n, f in self.features.items()}, y[keep], m
 
 
@@ -534,6 +563,23 @@ class _Layer:
         return self.scalars.setdefault(key, Scalars())
 
 
+def _reduce_ranks(acc: dict[int, _Layer], routed: dict[str, list]) -> None:
+    """Sum the sufficient statistics of every rank (Gram matrices, per-sequence sums, attention rows, routing
+    mixes), in the same order on every rank; nothing with one process."""
+    for i in sorted(acc):
+        a = acc[i]
+        for kind in sorted(a.second):
+            a.second[kind] = all_reduce_sum(a.second[kind].contiguous())
+        for key in sorted(a.scalars):
+            a.scalars[key].all_reduce()
+        if a.attn is not None:
+            a.attn = all_reduce_sum(a.attn.double().contiguous()).to(a.attn.dtype)
+    for name in sorted(routed):
+        total = all_reduce_sum(torch.as_tensor(routed[name][0], dtype=torch.float64).contiguous())
+        tokens = all_reduce_sum(torch.tensor([float(routed[name][1])], dtype=torch.float64))
+        routed[name] = [total, int(tokens[0])]
+
+
 @torch.no_grad()
 def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: float = 0.5,
                     classes: ProbeClasses | None = None, folds: int = 5, per_class: int = 256,
@@ -566,11 +612,13 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
         raise CemtoolError(f"per_class={per_class} is below the probe's minimum of {classes.min_count} samples per "
                            f"class")
     sample = ProbeSample(classes, V, per_class) if classes is not None and not classes.skipped else None
-    n_batches = math.ceil(len(inputs) / batch_size)
+    mine = shard(len(inputs))  # under torchrun: this rank's contiguous share of the sequences
+    local = inputs[mine.start:mine.stop]
+    n_batches = math.ceil(len(local) / batch_size)
 
     # pass 1: moments, second moments, per-sequence rank and cosine, attention rows, probe sample
     with capture(model, names1, transform=_transform(patterns, routing, routed)) as cache:
-        for bi, x in enumerate(_batches(inputs, batch_size)):
+        for bi, x in enumerate(_batches(local, batch_size)):
             cache.clear()
             model(x.to(device))
             sel = sample.select(x) if sample is not None else None
@@ -596,10 +644,13 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
                     a.attn = s if a.attn is None else a.attn + s
             if progress:
                 progress("pass 1", bi + 1, n_batches)
+    for i in sorted(acc):  # pass 2 z-scores with the moments of all tokens
+        for kind in sorted(acc[i].moments):
+            acc[i].moments[kind].all_reduce()
 
     # pass 2: entropies of the z-scored features
     with capture(model, names2) as cache:
-        for bi, x in enumerate(_batches(inputs, batch_size)):
+        for bi, x in enumerate(_batches(local, batch_size)):
             cache.clear()
             model(x.to(device))
             for i, p in points.items():
@@ -618,8 +669,11 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
                                                                                     alpha))
             if progress:
                 progress("pass 2", bi + 1, n_batches)
+    _reduce_ranks(acc, routed)
 
     # probes
+    if sample is not None:
+        sample.merge_ranks()
     probe_feats, probe_y, m = sample.balanced() if sample is not None else ({}, None, 0)
     probe_note = None
     if classes is None:

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.models.layers import attention_impl
 from cemtool.models.lm import lm_loss
@@ -170,6 +171,11 @@ class Objective:
     ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
     again for every HVP ('auto': as many batches as fit in a quarter of the free memory; True: all; False: none).
     Use as a context manager, or call :meth:`close`.
+
+    Under torchrun (a process group of K ranks) each rank evaluates a contiguous share of the sequences; the
+    token-weighted float64 sums (loss, gradient, H v) are all-reduced, so every rank holds the same result and the
+    estimators above run unchanged (their random vectors come from seeded generators, the same on every rank).
+    Token ids stay on the CPU and go to the device one batch at a time.
     """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: str = "all",
@@ -188,7 +194,7 @@ class Objective:
                                f"{tuple(x.shape)} and {tuple(y.shape)}")
         if y.numel() == 0:
             raise CemtoolError("the evaluation set has zero tokens", hint="use --tokens > 0 (at least one window)")
-        self.tokens = int(y.numel())
+        self.tokens = int(y.numel())  # N over all ranks: every batch's loss is its sum / N
         self.loss_fn = loss_fn
         self.names = [n for n, _ in select_parameters(model, params)]  # validate before copying anything
         wanted = set(self.names)
@@ -212,7 +218,9 @@ class Objective:
         seq = x.shape[1]
         bs = batch_size or max(1, 8192 // seq)
         self.batch_size = bs
-        self.batches = [(x[i:i + bs].to(self.device), y[i:i + bs].to(self.device)) for i in range(0, len(x), bs)]
+        mine = shard(len(x))  # this rank's sequences (all of them with one process)
+        x, y = x[mine.start:mine.stop].cpu(), y[mine.start:mine.stop].cpu()
+        self.batches = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]  # on the CPU until used
         self.keep_graph = keep_graph
         self._graphs: list[list[torch.Tensor | None]] | None = None  # kept first-order graphs (None: not planned)
         self._n_kept = 0  # how many batches keep their graph
@@ -270,7 +278,7 @@ class Objective:
         return self.flat(list(self.params))
 
     def _batch_loss(self, b: int) -> torch.Tensor:
-        xb, yb = self.batches[b]
+        xb, yb = (t.to(self.device) for t in self.batches[b])
         logits = self.model(xb)  # (B, T, V)
         return self.loss_fn(logits, yb, reduction="sum") / self.tokens  # this batch's share of the mean
 
@@ -283,7 +291,11 @@ class Objective:
             for b in range(len(self.batches)):
                 total += float(self._batch_loss(b))
         self.evaluations += 1
-        return total
+        return self._sum(total)
+
+    def _sum(self, total: float) -> float:
+        """A float summed over the ranks (itself with one process)."""
+        return float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
 
     def gradient(self) -> tuple[float, torch.Tensor]:
         """(L(w), grad L(w) flat (n,) float64)."""
@@ -294,7 +306,7 @@ class Objective:
                 g += self.flat(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
                 total += float(loss.detach())
         self.gradients += 1
-        return total, g
+        return self._sum(total), all_reduce_sum(g)
 
     def _first_order_graph(self, b: int) -> list[torch.Tensor | None]:
         loss = self._batch_loss(b)
@@ -348,7 +360,7 @@ class Objective:
                                          retain_graph=kept, allow_unused=True)
                 out += self.flat(list(hv))
         self.hvps += 1
-        return out
+        return all_reduce_sum(out)
 
     @contextmanager
     def shifted(self, delta: torch.Tensor) -> Iterator[None]:

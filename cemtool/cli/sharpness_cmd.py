@@ -171,6 +171,7 @@ def sharpness(
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
     from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
+    from cemtool.distributed import check_same_device, init_distributed
     from cemtool.runs import _json_default, load_run, safe_name
     from cemtool.train import pick_device
 
@@ -190,6 +191,10 @@ def sharpness(
     if tokens <= 0:
         raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
+    dd = init_distributed(dev)  # under torchrun: the evaluation tokens are sharded over the ranks
+    check_same_device(dev)
+    if backend == "pyhessian" and dd.world > 1:
+        raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
     opts = SharpnessOptions(  # validated before anything is loaded
         params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
         lanczos_steps=lanczos_steps, tol=tol,
@@ -219,6 +224,8 @@ def sharpness(
 
     with StageBar(quiet) as bar:
         rep = measure_sharpness(loaded.model, x, y, opts, progress=bar, tokens_requested=tokens)
+    if not dd.main:  # every rank holds the same results; rank 0 alone writes and prints
+        return
     report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
     payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
     figures = []

@@ -1,0 +1,161 @@
+"""Analyses under torch.distributed (gloo on CPU): 2 processes give the 1-process results, bad input is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cemtool import distributed
+from cemtool.analysis.collapse import collapse_report
+from cemtool.analysis.hessian import Objective
+from cemtool.distributed import Dist
+from cemtool.errors import CemtoolError
+
+# the measurement both sides run: a 2-layer baseline in fp64 on 8 sequences of 8 tokens, batches of 2 sequences
+WORKER = r'''
+import json, os, sys
+import torch
+from cemtool.analysis.collapse import ProbeClasses, collapse_report
+from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
+from cemtool.config import replace, resolve
+from cemtool.distributed import init_distributed
+from cemtool.models import build_model
+
+
+def model_and_tokens():
+    cfg = resolve(arch="baseline", overrides=["model.d_model=16", "model.n_layer=2", "model.n_head=2",
+                                              "model.mlp_hidden=16"])
+    torch.manual_seed(0)
+    model = build_model(replace(cfg.model, vocab_size=16, max_seq_len=8)).double()
+    idx = torch.randint(0, 16, (8, 9), generator=torch.Generator().manual_seed(1))
+    return model, idx[:, :-1], idx[:, 1:]
+
+
+def measure(die: bool = False) -> dict:
+    model, x, y = model_and_tokens()
+    if die:  # this rank dies in the middle of the Lanczos run
+        from cemtool.analysis import hessian
+        real = hessian.Objective.hvp
+        def hvp(self, v):
+            if self.hvps == 3:
+                os._exit(3)
+            return real(self, v)
+        hessian.Objective.hvp = hvp
+    opts = SharpnessOptions(dtype="fp64", batch_size=2, top_k=2, bottom_k=1, lanczos_steps=8, trace_hvps=6,
+                            trace_methods=("xtrace", "hutchinson"), density_runs=1, density_steps=8,
+                            avg_samples=2, landscape="both", slice_points=5, slice_points_2d=3, device="cpu")
+    rep = measure_sharpness(model, x, y, opts)
+    classes = ProbeClasses(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]], "words")
+    col = collapse_report(model, x, classes=classes, folds=2, per_class=6, batch_size=2)
+    return {"loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,
+            "traces": [t.trace for t in rep.traces], "sharpness": [s.value for s in rep.sharpness],
+            "slice_1d": list(rep.slice_1d.losses), "slice_2d": [v for r in rep.slice_2d.losses for v in r],
+            "density": list(rep.density.density),
+            "entropy": [L["values"]["entropy"]["mean"] for L in col["layers"]],
+            "entropy_heads": [h["mean"] for L in col["layers"] for h in L["values"]["entropy_per_head"]],
+            "hidden": [L["hidden"][k]["mean"] if k != "erank_all" else L["hidden"][k] for L in col["layers"]
+                       for k in ("entropy", "erank_seq", "cosine", "erank_all")],
+            "probe": [L["probe"][k]["accuracy"] for L in col["layers"] for k in ("values", "hidden")],
+            "probe_n": [L["probe"]["values"]["n"] for L in col["layers"]]}
+
+
+if __name__ == "__main__":
+    init_distributed(torch.device("cpu"))
+    out = measure(die=os.environ.get("DIE_RANK") == os.environ["RANK"])
+    with open(sys.argv[1] + f".rank{os.environ['RANK']}.json", "w") as f:
+        json.dump(out, f)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, world: int, **env) -> list[subprocess.CompletedProcess]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    port = str(_free_port())
+    procs = []
+    for rank in range(world):
+        e = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "CEMTOOL_DIST_TIMEOUT": "30",
+             **env}
+        procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path / "out")], env=e, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+def _one_process() -> dict:
+    ns: dict = {"__name__": "worker"}
+    exec(compile(WORKER, "worker.py", "exec"), ns)
+    return ns["measure"]()
+
+
+def _close(a, b, rel: float = 1e-6) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(u, v, rel) for u, v in zip(a, b, strict=True))
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
+
+
+def test_two_processes_give_the_one_process_sharpness_and_collapse(tmp_path):
+    res = _launch(tmp_path, 2)
+    assert all(r.returncode == 0 for r in res), res[0].stderr[-2000:] + res[1].stderr[-2000:]
+    r0 = json.loads((tmp_path / "out.rank0.json").read_text())
+    r1 = json.loads((tmp_path / "out.rank1.json").read_text())
+    one = _one_process()
+    assert r0 == r1  # every rank holds the same (all-reduced) results
+    assert one["probe_n"][0] >= 4 and len(one["top"]) == 2 and len(one["traces"]) == 2
+    for key, ref in one.items():
+        assert _close(ref, r0[key]), (key, ref, r0[key])
+
+
+def test_a_rank_dying_mid_analysis_stops_the_others_with_one_line(tmp_path):
+    res = _launch(tmp_path, 2, DIE_RANK="1")
+    assert res[1].returncode == 3
+    assert res[0].returncode != 0
+    assert "another process of the analysis died or timed out" in res[0].stderr
+    assert not list(tmp_path.glob("out.rank*.json"))  # nothing written as if complete
+
+
+def _tiny():
+    ns: dict = {"__name__": "worker"}
+    exec(compile(WORKER, "worker.py", "exec"), ns)
+    return ns["model_and_tokens"]()
+
+
+def test_more_ranks_than_sequences_is_one_clear_error(monkeypatch):
+    model, x, y = _tiny()
+    monkeypatch.setattr(distributed, "current", lambda: Dist(0, 3))
+    with pytest.raises(CemtoolError, match="3 processes but only 2 evaluation sequences"):
+        Objective(model, x[:2], y[:2], dtype="fp64")
+    with pytest.raises(CemtoolError, match="3 processes but only 2 evaluation sequences"):
+        collapse_report(model, x[:2])
+    assert list(distributed.shard(7)) == [0, 1]  # rank 0 of 3: the first third
+    monkeypatch.setattr(distributed, "current", lambda: Dist(2, 3))
+    assert list(distributed.shard(7)) == [4, 5, 6]
+
+
+def test_mixed_devices_are_refused(monkeypatch):
+    monkeypatch.setattr(distributed, "all_gather", lambda obj: ["cuda", "cpu"])
+    with pytest.raises(CemtoolError, match="different devices .rank 0: cuda, rank 1: cpu"):
+        distributed.check_same_device("cuda")
+    monkeypatch.setattr(distributed, "all_gather", lambda obj: ["cpu", "cpu"])
+    distributed.check_same_device("cpu")  # the same kind everywhere: fine
+
+
+def test_objective_keeps_tokens_on_the_cpu_until_used():
+    model, x, y = _tiny()
+    with Objective(model, x, y, dtype="fp64", batch_size=2) as obj:
+        assert len(obj.batches) == 4 and all(b[0].device.type == "cpu" for b in obj.batches)
+        assert obj.tokens == y.numel()
+        torch.testing.assert_close(torch.tensor(obj.loss(), dtype=torch.float64), torch.nn.functional.cross_entropy(
+            model.double()(x).flatten(0, 1), y.flatten()).detach(), rtol=1e-12, atol=0)
