@@ -159,3 +159,29 @@ def test_objective_keeps_tokens_on_the_cpu_until_used():
         assert obj.tokens == y.numel()
         torch.testing.assert_close(torch.tensor(obj.loss(), dtype=torch.float64), torch.nn.functional.cross_entropy(
             model.double()(x).flatten(0, 1), y.flatten()).detach(), rtol=1e-12, atol=0)
+
+
+def test_torchrun_sharpness_cli_rank0_writes_the_one_process_report(tmp_path, tiny_run):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from cemtool.cli.main import app
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("reports", "plots"))
+    opts = ["--tokens", "256", "--dtype", "fp64", "--top-k", "2", "--lanczos-steps", "6", "--trace-hvps", "4",
+            "--density-runs", "0", "--avg-samples", "2", "--slice-points", "3", "--no-plots", "--quiet",
+            "--device", "cpu", "--batch-size", "4"]
+    res = CliRunner().invoke(app, ["sharpness", str(run), *opts, "--name", "one"])
+    assert res.exit_code == 0, res.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CEMTOOL_DIST_TIMEOUT": "60"}
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "cemtool", "sharpness", str(run), *opts, "--name", "two"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("report:") == 1  # rank 0 alone prints
+    one, dd = (json.loads((run / "reports" / f"{n}.json").read_text()) for n in ("one", "two"))
+    assert one["tokens"] == dd["tokens"] == 256
+    assert _close(one["eigen"]["top"], dd["eigen"]["top"]) and _close(one["loss"], dd["loss"])
+    assert _close([t["trace"] for t in one["traces"]], [t["trace"] for t in dd["traces"]])

@@ -114,6 +114,7 @@ def collapse_report_cmd(
     """Value/hidden-state entropy, token separability, effective rank, cosine similarity, attention statistics,
     LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
     from cemtool.analysis.collapse import all_rows, measure_run
+    from cemtool.distributed import check_same_device, init_distributed
     from cemtool.report import provenance, write_report
     from cemtool.runs import safe_name
     from cemtool.train import pick_device
@@ -135,11 +136,15 @@ def collapse_report_cmd(
     options = {"checkpoint": checkpoint, "data": data, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
                "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class,
                "min_per_class": min_per_class, "seed": seed}
+    dev = pick_device(device)
+    dd = init_distributed(dev)  # under torchrun: the evaluation sequences are sharded over the ranks
+    check_same_device(dev)
     measured = []
     with console.progress(quiet) as bar:
         for p, label in zip(runs, labels, strict=True):
-            measured.append(measure_run(p, label=label, device=pick_device(device), progress=_bar_progress(bar, label),
-                                             **options))
+            measured.append(measure_run(p, label=label, device=dev, progress=_bar_progress(bar, label), **options))
+    if not dd.main:  # every rank holds the same reduced results; rank 0 alone writes and prints
+        return
 
     written = []
     for r in measured:  # each run's own report
