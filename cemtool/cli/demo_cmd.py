@@ -29,14 +29,14 @@ from cemtool.errors import CemtoolError
 
 # The settings, passed explicitly (sized so that the whole demo takes < 5 min on 2 CPU cores; see docs/demo.md).
 FULL = {
-    "archs": "baseline,tmm", "seeds": "0,1", "tokens": 100 * 32 * 64,  # 100 steps of 32 x 64 tokens
+    "archs": "baseline,tmm", "seeds": "0,1", "tokens": 400 * 32 * 64,  # 400 steps of 32 x 64 tokens
     "overrides": ["model.d_model=64", "model.n_layer=2", "model.n_head=4", "data.seq_len=64", "train.batch_size=32",
-                  "train.warmup_steps=10", "train.eval_every=20", "train.eval_tokens=8192", "train.log_every=5",
-                  "data.train_tokens=300000", "data.val_tokens=32768"],
-    "sharpness": {"tokens": 1024, "top_k": 3, "bottom_k": 1, "lanczos_steps": 20, "trace_hvps": 20,
+                  "train.warmup_steps=20", "train.eval_every=50", "train.eval_tokens=8192", "train.log_every=10",
+                  "data.train_tokens=1000000", "data.val_tokens=32768"],
+    "sharpness": {"tokens": 2048, "top_k": 3, "bottom_k": 1, "lanczos_steps": 40, "trace_hvps": 40,
                   "density_runs": 1, "density_steps": 30, "avg_samples": 2, "landscape": "both",
                   "slice_points": 11, "slice_points_2d": 7},
-    "layers": {"tokens": 1024, "top_k": 1, "bottom_k": 1, "lanczos_steps": 20, "trace_hvps": 10,
+    "layers": {"tokens": 2048, "top_k": 1, "bottom_k": 1, "lanczos_steps": 30, "trace_hvps": 20,
                "density_runs": 0, "sam_rho": 0.0, "asam_rho": 0.0, "avg_rho": 0.0, "landscape": "none"},
     "collapse": {"tokens": 2048, "per_class": 64, "folds": 5, "batch_size": 16},
     "forgetting": {"steps": 30, "eval_every": 5, "eval_tokens": 4096},
