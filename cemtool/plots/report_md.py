@@ -69,7 +69,8 @@ CAPTIONS = {
                   "falls = plasticity) along the fine-tune; dashed: entropy floors",
     "compare_correlations": "each run's forgetting against its curvature (tr(H)/n, λ_max); colour: architecture, "
                             "marker: seed; Spearman's rank correlation in the title",
-    "compare": "one bar per architecture: mean over seeds with standard-error bars; dots: the individual seeds",
+    "compare": "per architecture: the mean over seeds (large marker) with its standard error; dots: the individual "
+               "seeds; y axes span the data, not zero",
     "training_groups": "validation loss averaged over the seeds of each group of runs (band: ± one standard "
                        "error)",
     "compare_layers": "value entropy and value separability against depth, one line per architecture: mean over "
