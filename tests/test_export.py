@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -17,7 +18,6 @@ from cemtool.models.registry import build_model
 
 from conftest import train_tiny
 
-transformers = pytest.importorskip("transformers")
 runner = CliRunner()
 
 QUICK = ["train.max_steps=2", "train.eval_every=2", "data.tokenizer=byte"]
@@ -109,7 +109,6 @@ def test_gpt2_style_baseline_exports_as_gpt2_at_any_checkpoint(tmp_path, text_fi
 
 
 def test_exported_model_has_the_runs_lambda_max(exported, tied_run, text_file):
-    pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
     out = exported[0]
     opts = ["--tokens", "128", "--trace-hvps", "0", "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0",
             "--avg-rho", "0", "--top-k", "1", "--bottom-k", "0", "--tol", "1e-9", "--json", "--no-plots"]
@@ -169,7 +168,6 @@ def test_other_families_and_bad_targets_are_refused(tmp_path, tied_run, text_fil
 
 
 def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, exported):
-    pytest.importorskip("cemtool.foreign.loader", reason="the Hugging Face model loader (issue 11 item 1) is absent")
     out = exported[0]
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02\x00\x03")

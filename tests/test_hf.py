@@ -11,17 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
+from typer.testing import CliRunner
 
-transformers = pytest.importorskip("transformers")
-
-from typer.testing import CliRunner  # noqa: E402
-
-from cemtool.cli.main import app  # noqa: E402
-from cemtool.data.corpus import load_corpus, windows  # noqa: E402
-from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer  # noqa: E402
-from cemtool.models.capture import capture  # noqa: E402
-from cemtool.models.lm import lm_loss  # noqa: E402
-from cemtool.runs import load_run  # noqa: E402
+from cemtool.cli.main import app
+from cemtool.data.corpus import load_corpus, windows
+from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
+from cemtool.models.capture import capture
+from cemtool.models.lm import lm_loss
+from cemtool.runs import load_run
 
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
 WORDS = [f"w{i}" for i in range(8)]
