@@ -129,7 +129,7 @@ def config(
         console.table("configuration fields", ["key", "type", "default", "meaning"],
                       [list(r) for r in describe_fields()])
         return
-    console.print_json(to_dict(resolve(arch=arch, file=file, overrides=set_ or [])))
     if file and len(file) > 1:
         console.info(f"config: composed {' then '.join(map(str, file))} (a later file overrides an earlier one key "
                      f"by key; --set overrides them all)")
+    console.print_json(to_dict(resolve(arch=arch, file=file, overrides=set_ or [])))

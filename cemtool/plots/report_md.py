@@ -201,7 +201,7 @@ def sharpness_section(report: dict) -> str:
                      "uncertainty / notes": f"n = {t['n']:,} parameters"})
     d = report.get("density")
     if d:
-        rows.append({"quantity": "tr(H) (SLQ)", "value": pm(d.get("trace"), d.get("trace_se")),
+        rows.append({"quantity": "spectral density (SLQ)", "value": "-",
                      "uncertainty / notes": f"{d['runs']} run(s) x {d['steps']} Lanczos steps, σ = {d['sigma']:.3g}"})
     names = {"sam": "SAM", "asam": "ASAM (adaptive)", "average": "average-case (adaptive)"}
     for sh in report.get("sharpness") or []:
