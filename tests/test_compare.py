@@ -369,8 +369,10 @@ def test_named_reports_and_mismatched_settings(tmp_path, no_compute):
         (d / "reports" / "sharpness.json").write_text(json.dumps(sharpness_report(tokens, 1.0 + seed,
                                                                                   device=f"cuda:{seed}")))
         (d / "reports" / "sharp-4k.json").write_text(json.dumps(sharpness_report(4096, 10.0 + seed, batch_size=seed)))
+        (d / "reports" / "sharpness-layer-0.json").write_text(json.dumps(sharpness_report(1024, 0.1, params="layer:0")))
     p = compare([tmp_path])
     assert [r["lambda_max"] for r in p["runs"]] == [1.0, 2.0, 3.0]
+    assert not any("sharpness-layer-0" in n for n in p["notes"])  # another parameter subset: not an alternative
     assert p["mismatch"] == {"sharpness": {"tokens": {"1024": ["r0", "r1"], "4096": ["r2"]}}}
     assert any("different settings: tokens: 1024 (r0, r1), 4096 (r2)" in n for n in p["notes"])
     assert any("sharpness reports not compared: sharp-4k" in n for n in p["notes"])

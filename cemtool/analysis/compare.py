@@ -327,7 +327,10 @@ def _named(run_path: Path, kind: str, name: str) -> tuple[Path | None, dict | No
 
     found = named_reports(run_path, kind=kind)
     mine = next((r for r in found if r.name == name and r.report is not None), None)
-    others = [r.name for r in found if r.name != name]
+    subset = ((mine.options if mine else None) or {}).get("params", "all")
+    # a report of another parameter subset (e.g. the demo's sharpness-layer-N) measures another quantity: not an
+    # alternative to the one compared, so not listed as one
+    others = [r.name for r in found if r.name != name and (r.options or {}).get("params", "all") == subset]
     if mine is None:
         return None, None, {}, others
     return mine.path, mine.report, mine.options, others

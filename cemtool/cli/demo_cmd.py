@@ -38,7 +38,7 @@ FULL = {
                   "slice_points": 11, "slice_points_2d": 7},
     "layers": {"tokens": 2048, "top_k": 1, "bottom_k": 1, "lanczos_steps": 30, "trace_hvps": 20,
                "density_runs": 0, "sam_rho": 0.0, "asam_rho": 0.0, "avg_rho": 0.0, "landscape": "none"},
-    "collapse": {"tokens": 2048, "per_class": 64, "folds": 5, "batch_size": 16},
+    "collapse": {"tokens": 4096, "per_class": 64, "folds": 5, "batch_size": 16},  # enough of is/are/was/were
     "forgetting": {"steps": 30, "eval_every": 5, "eval_tokens": 4096},
 }
 QUICK = {
@@ -119,7 +119,8 @@ def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     dev = pick_device(device)
     loaded = load_run(run, "final", device=dev)
     x, y = evaluation_set(loaded, tokens)
-    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(params=f"layer:{layer}", device=str(dev), **opts))
+    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(params=f"layer:{layer}", device=str(dev), **opts),
+                            tokens_requested=tokens)
     return write_sharpness_report(loaded, rep, name=name, seq_len=int(x.shape[1]), device=str(dev),
                                   command="demo")[1]["json"]
 
