@@ -51,14 +51,15 @@ $CEMTOOL plot saturation-sweep --no-each-run --quiet > /dev/null
 
 cd "$REPO"
 echo "== copying into $OUT/ (no checkpoints)" >&2
-rm -rf "$OUT"
 mkdir -p "$OUT"
+rm -rf "$OUT/demo" "$OUT/lime" "$OUT/saturation-sweep"   # the study's outputs stay unless a new study is copied
 for d in demo lime saturation-sweep; do
   cp -r "$WORK/$d" "$OUT/$d"
 done
 cp "$WORK/demo_output.txt" "$OUT/demo/demo_output.txt"
 if [ -f "$STUDY/compare.md" ]; then
   echo "== copying the study $STUDY into $OUT/study (light outputs only)" >&2
+  rm -rf "$OUT/study"
   (cd "$STUDY" && find . \( -name checkpoints -o -name '*.replaced-*' -o -name .lock \) -prune -o -type f \( \
       -path './plots/*' -o -path './reports/*' -o -path './saturation/*' -o -name 'report.md' -o -name 'compare*' \
       -o -name study.json -o -name config.json -o -name meta.json -o -name metrics.jsonl \
@@ -69,6 +70,7 @@ if [ -f "$STUDY/compare.md" ]; then
 fi
 if [ -f "$STUDY-saturation/reports/saturation_sweep.json" ]; then
   echo "== copying the saturation sweep $STUDY-saturation into $OUT/study-saturation (no checkpoints)" >&2
+  rm -rf "$OUT/study-saturation"
   cp -r "$STUDY-saturation" "$OUT/study-saturation"
   find "$OUT/study-saturation" \( -name checkpoints -o -name .lock \) -prune -exec rm -rf {} +
 fi
