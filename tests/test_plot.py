@@ -205,6 +205,11 @@ def test_captions_and_eval_table(study):
     table = eval_table(r, max_rows=2)
     assert table.count("\n") == 4  # header, rule, first and last evaluation
     assert fmt(r.val[-1]["val_loss"]) in table
+    assert "bits/byte" in table.splitlines()[0] and fmt(r.val[-1]["val_bpb"]) in table  # beside nats/token
+    from cemtool.plots.report_md import run_markdown
+
+    md = run_markdown(study[1], {}, {})
+    assert f"{fmt(r.meta['val_bpb'])} bits/byte" in md
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -430,18 +430,30 @@ def run_summary(r: RunCurves) -> dict:
             "val loss": val, "floor": floor, "gap": None if floor is None or val is None else val - floor}
 
 
+def _bpb_text(meta: dict) -> str:
+    """', X bits/byte, perplexity Y' from meta.json when training recorded them (older runs: nothing)."""
+    parts = [f"{fmt(meta['val_bpb'])} bits/byte"] if meta.get("val_bpb") is not None else []
+    parts += [f"perplexity {fmt(meta['val_ppl'])}"] if meta.get("val_ppl") is not None else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def eval_table(r: RunCurves, max_rows: int = 12) -> str:
     rows = r.val
     if len(rows) > max_rows:  # keep the first, the last and evenly spaced ones between
         idx = sorted({round(i * (len(rows) - 1) / (max_rows - 1)) for i in range(max_rows)})
         rows = [rows[i] for i in idx]
-    if not any(v.get("val_floor") is not None for v in rows):  # no floor known: no floor or gap columns
-        return markdown_table([{"step": v.get("step"), "tokens": _int(v.get("tokens")), "val loss": v["val_loss"]}
-                               for v in rows])
-    return markdown_table([{"step": v.get("step"), "tokens": _int(v.get("tokens")), "val loss": v["val_loss"],
-                            "floor": v.get("val_floor"),
-                            "gap": None if v.get("val_floor") is None else v["val_loss"] - v["val_floor"]}
-                           for v in rows])
+    floor = any(v.get("val_floor") is not None for v in rows)  # no floor known: no floor or gap columns
+    bpb = any(v.get("val_bpb") is not None for v in rows)  # runs trained before bits/byte were logged: no column
+    table = []
+    for v in rows:
+        row = {"step": v.get("step"), "tokens": _int(v.get("tokens")), "val loss": v["val_loss"]}
+        if bpb:
+            row["bits/byte"] = v.get("val_bpb")
+        if floor:
+            row.update(floor=v.get("val_floor"),
+                       gap=None if v.get("val_floor") is None else v["val_loss"] - v["val_floor"])
+        table.append(row)
+    return markdown_table(table)
 
 
 def run_markdown(run_dir: str | Path, figures: dict[str, list[Path]], reports: dict[str, tuple[Path, dict | None]],
@@ -460,7 +472,7 @@ def run_markdown(run_dir: str | Path, figures: dict[str, list[Path]], reports: d
                            f"non-embedding)"),
             ("model", _model_line(cfg)), ("training", _train_line(cfg)),
             ("data", _data_line(cfg, corpus)),
-            ("final validation loss", f"{fmt(s['val loss'])} nats/token"),
+            ("final validation loss", f"{fmt(s['val loss'])} nats/token" + _bpb_text(m)),
             ("entropy floor / gap", f"{fmt(s['floor'])} / {fmt(s['gap'])}" if s["floor"] is not None
              else "not known for this corpus"),
             ("training time", f"{fmt(m.get('train_seconds'), 3)} s on {m.get('device', '?')}"),
