@@ -185,3 +185,16 @@ def test_torchrun_sharpness_cli_rank0_writes_the_one_process_report(tmp_path, ti
     assert one["tokens"] == dd["tokens"] == 256
     assert _close(one["eigen"]["top"], dd["eigen"]["top"]) and _close(one["loss"], dd["loss"])
     assert _close([t["trace"] for t in one["traces"]], [t["trace"] for t in dd["traces"]])
+
+
+def test_kept_graphs_stay_within_the_stated_budget():
+    model, x, y = _tiny()
+    v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(0))
+    with Objective(model, x, y, dtype="fp64", batch_size=2, graph_budget=0) as none, \
+            Objective(model, x, y, dtype="fp64", batch_size=2, graph_budget=2**40) as every:
+        h0, h1 = none.hvp(v), every.hvp(v)
+        assert none._n_kept == 0 and every._n_kept == len(every.batches) == 4
+        torch.testing.assert_close(h0, h1, rtol=1e-12, atol=1e-14)
+    with pytest.raises(CemtoolError, match="budget"):
+        Objective(model, x, y, dtype="fp64", graph_budget=-1)

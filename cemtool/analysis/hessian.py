@@ -169,7 +169,8 @@ class Objective:
     mode and ``requires_grad`` flags in :meth:`close`. Parameter shifts (:meth:`shifted`) are undone exactly.
 
     ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
-    again for every HVP ('auto': as many batches as fit in a quarter of the free memory; True: all; False: none).
+    again for every HVP ('auto': as many batches as fit in ``graph_budget`` bytes, default a quarter of the free
+    memory; True: all; False: none). Kept graphs are the only memory that grows with N (up to that budget).
     Use as a context manager, or call :meth:`close`.
 
     Under torchrun (a process group of K ranks) each rank evaluates a contiguous share of the sequences; the
@@ -180,7 +181,8 @@ class Objective:
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: str = "all",
                  dtype: str | torch.dtype = "fp64", device: str | torch.device | None = None,
-                 batch_size: int | None = None, keep_graph: bool | str = "auto", vectors: int = 0,
+                 batch_size: int | None = None, keep_graph: bool | str = "auto", graph_budget: int | None = None,
+                 vectors: int = 0,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss):
         self.dtype = resolve_dtype(dtype)
         first = next(iter(model.parameters()), None)
@@ -222,6 +224,9 @@ class Objective:
         x, y = x[mine.start:mine.stop].cpu(), y[mine.start:mine.stop].cpu()
         self.batches = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]  # on the CPU until used
         self.keep_graph = keep_graph
+        if graph_budget is not None and graph_budget < 0:
+            raise CemtoolError(f"the kept-graph memory budget must be >= 0 bytes, got {graph_budget}")
+        self.graph_budget = graph_budget
         self._graphs: list[list[torch.Tensor | None]] | None = None  # kept first-order graphs (None: not planned)
         self._n_kept = 0  # how many batches keep their graph
         self.hvps = 0  # Hessian-vector products so far
@@ -330,8 +335,10 @@ class Objective:
         with self._context(grad=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             graph = self._first_order_graph(0)
         per_batch = 2 * sum(seen.values()) + 8 * self.n  # x2: the double-backward graph
-        have = available_memory(self.device) or 4 * 2**30  # unknown: assume 4 GiB free
-        keep = min(len(self.batches), int(0.25 * have // max(per_batch, 1)))
+        budget = self.graph_budget
+        if budget is None:
+            budget = 0.25 * (available_memory(self.device) or 4 * 2**30)  # unknown: assume 4 GiB free
+        keep = min(len(self.batches), int(budget // max(per_batch, 1)))
         self._graphs = [graph] if keep else []
         return keep
 

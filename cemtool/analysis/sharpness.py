@@ -290,6 +290,7 @@ class SharpnessOptions:
     slice_points_2d: int = 11
     seed: int = 0
     device: str | None = None
+    graph_memory: float | None = None  # GiB of kept first-order graphs (None: a quarter of the free memory)
 
     def __post_init__(self):
         bad = [m for m in self.trace_methods if m not in TRACE_METHODS]
@@ -301,6 +302,8 @@ class SharpnessOptions:
                      "avg_samples"):
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
+        if self.graph_memory is not None and not (math.isfinite(self.graph_memory) and self.graph_memory >= 0):
+            raise CemtoolError(f"graph_memory must be a finite number of GiB >= 0, got {self.graph_memory}")
         for name in ("tol", "sam_rho", "asam_rho", "asam_eta", "avg_rho", "slice_span"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -426,8 +429,9 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             progress(name, done, done)
 
     vectors = max(o.lanczos_steps, o.density_steps) + (o.trace_hvps if o.trace_methods else 0)
+    budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
     with Objective(model, x, y, params=o.params, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
-                   vectors=vectors) as obj:
+                   graph_budget=budget, vectors=vectors) as obj:
         cb = stage("loss and gradient", 1)
         loss0, g = obj.gradient()
         cb(1)

@@ -121,6 +121,10 @@ def sharpness(
                                               "it. Default 2048 (--quick: 1024)")] = 2048,
     batch_size: Annotated[Optional[int], typer.Option(help="sequences per batch (default: 8192 tokens per batch)",
                                                       min=1)] = None,
+    graph_memory: Annotated[Optional[float], typer.Option(help="GiB of first-order graphs kept for reuse by the HVPs "
+                                                          "(the only memory that grows with --tokens; 0 = none, "
+                                                          "recompute each; default a quarter of the free memory)",
+                                                          min=0.0)] = None,
     dtype: Annotated[str, typer.Option(help="HVP dtype: fp32 (default) or fp64 (a converted copy of the model)")]
     = "fp32",
     params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
@@ -204,7 +208,7 @@ def sharpness(
         landscape=landscape,
         slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
-        slice_span=slice_span, seed=seed, device=str(dev))
+        slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory)
     if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
         raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
