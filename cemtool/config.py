@@ -183,7 +183,7 @@ class TrainConfig:
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)", min=0, max=4096)
     curvature_every: int = opt(0, "record the Hessian's λ_max (and the curvature_* options) in metrics.jsonl every N "
                                   "steps (0 = off)", min=0, max=10**9)
-    curvature_tokens: int = opt(1024, "tokens of the fixed validation batch the curvature is measured on (the first "
+    curvature_tokens: int = opt(512, "tokens of the fixed validation batch the curvature is measured on (the first "
                                       "windows, as `cemtool sharpness --tokens N`)", min=1, max=1 << 24)
     curvature_params: str = opt("all", "parameter subset of the curvature: all, layer:N, attn, mlp, embed or a glob on "
                                        "names (comma-separated union)")

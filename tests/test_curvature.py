@@ -77,6 +77,10 @@ def test_rows_hold_lambda_max_trace_precond_and_thresholds(tracked):
         assert r["lambda_max_precond"] > r["lambda_max"]  # Adam divides by sqrt(v) << 1 on this model
         assert r["curvature_tokens"] == 32 and r["curvature_seconds"] > 0
     assert threshold_adam(0.1, 0.9) == pytest.approx(380.0) and threshold_gd(0.0) is None
+    from cemtool.cli.train_cmd import curvature_line  # what `cemtool train` prints for each row
+
+    line = curvature_line({**rows[-1], "trace": None})
+    assert line.startswith("step     20  λ_max ") and "(2/η " in line and "λ_max(P⁻¹H)" in line and "tr(H) n/a" in line
 
 
 def test_tracked_lambda_max_equals_sharpness_on_the_checkpoint(tracked):

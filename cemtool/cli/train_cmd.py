@@ -67,6 +67,23 @@ class ProgressReporter:
             bpb = f"  ({ev['val_bpb']:.4f} bits/byte)" if ev.get("val_bpb") is not None else ""
             self.bar.console.print(f"step {ev['step']:>6}  val {ev['val_loss']:.4f}{bpb}{floor}{gap}  "
                                    f"epoch {ev['epochs']:.3g}", markup=False)
+        elif kind == "curvature":  # train.curvature_every
+            self.bar.console.print(curvature_line(ev), markup=False)
+
+
+def curvature_line(ev: dict) -> str:
+    """One line per curvature measurement: λ_max against 2/η (and Adam's preconditioned λ_max against its threshold)."""
+    def num(key: str) -> str:
+        return f"{ev[key]:.4g}" if isinstance(ev.get(key), (int, float)) else "n/a"
+
+    line = f"step {ev['step']:>6}  λ_max {num('lambda_max')} (2/η {num('threshold_2_over_lr')})"
+    if not ev.get("lambda_max_converged", True):
+        line += f" not converged in {ev.get('lanczos_steps')} steps"
+    if "lambda_max_precond" in ev:
+        line += f"  λ_max(P⁻¹H) {num('lambda_max_precond')} (Adam's threshold {num('threshold_adaptive')})"
+    if "trace" in ev:
+        line += f"  tr(H) {num('trace')} ± {num('trace_se')}"
+    return line
 
 
 def default_out(arch: str, seed: int) -> Path:
