@@ -18,11 +18,13 @@ from cemtool.analysis.hessian import Objective
 from cemtool.distributed import Dist
 from cemtool.errors import CemtoolError
 
-# the measurement both sides run: a 2-layer baseline in fp64 on 8 sequences of 8 tokens, batches of 2 sequences
+# the measurement both sides run: a 2-layer baseline in fp64 on 8 sequences of 8 tokens, batches of 2 sequences:
+# sharpness (every estimator), collapse-report and saturation's rank truncation
 WORKER = r'''
 import json, os, sys
 import torch
 from cemtool.analysis.collapse import ProbeClasses, collapse_report
+from cemtool.analysis.saturation import rank_truncation
 from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
 from cemtool.config import replace, resolve
 from cemtool.distributed import init_distributed
@@ -54,6 +56,7 @@ def measure(die: bool = False) -> dict:
     rep = measure_sharpness(model, x, y, opts)
     classes = ProbeClasses(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]], "words")
     col = collapse_report(model, x, classes=classes, folds=2, per_class=6, batch_size=2)
+    sat = rank_truncation(model, x, y, ranks=[0, 2, 4], basis="data", batch_size=2, per_head=True)
     return {"loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,
             "traces": [t.trace for t in rep.traces], "sharpness": [s.value for s in rep.sharpness],
             "slice_1d": list(rep.slice_1d.losses), "slice_2d": [v for r in rep.slice_2d.losses for v in r],
@@ -63,7 +66,10 @@ def measure(die: bool = False) -> dict:
             "hidden": [L["hidden"][k]["mean"] if k != "erank_all" else L["hidden"][k] for L in col["layers"]
                        for k in ("entropy", "erank_seq", "cosine", "erank_all")],
             "probe": [L["probe"][k]["accuracy"] for L in col["layers"] for k in ("values", "hidden")],
-            "probe_n": [L["probe"]["values"]["n"] for L in col["layers"]]}
+            "probe_n": [L["probe"]["values"]["n"] for L in col["layers"]],
+            "saturation": [sat["base_loss"]] + [v for L in sat["layers"] for v in L["layer_loss_increase"]]
+            + [v for L in sat["layers"] for h in L["per_head"] for v in h["loss_increase"]],
+            "logit_range": [v for k in sorted(sat["logits"]) for r in sat["logits"][k]["logit_range"] for v in r]}
 
 
 if __name__ == "__main__":
@@ -106,7 +112,7 @@ def _close(a, b, rel: float = 1e-6) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b), 1e-12)
 
 
-def test_two_processes_give_the_one_process_sharpness_and_collapse(tmp_path):
+def test_two_processes_give_the_one_process_sharpness_collapse_and_saturation(tmp_path):
     res = _launch(tmp_path, 2)
     assert all(r.returncode == 0 for r in res), res[0].stderr[-2000:] + res[1].stderr[-2000:]
     r0 = json.loads((tmp_path / "out.rank0.json").read_text())

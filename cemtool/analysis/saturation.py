@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from cemtool.analysis.collapse import attention_row_stats
+from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.models.capture import capture, hook_points
 from cemtool.models.lm import lm_loss
@@ -177,6 +178,8 @@ def data_factors(model: torch.nn.Module, layers: list[LayerHeads], inputs: torch
     with capture(model, names, transform=moment):
         for i in range(0, len(inputs), batch_size):
             model(inputs[i:i + batch_size].to(device))
+    for name in sorted(sums):  # under torchrun: the moments of every rank's share
+        sums[name] = all_reduce_sum(sums[name].contiguous())
     out = {}
     for lh in layers:
         k_name = lh.q_point[:-1] + "k"
@@ -209,13 +212,15 @@ def truncated(model: torch.nn.Module, projections: dict[int, torch.Tensor]) -> I
 @torch.no_grad()
 def mean_loss(model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, batch_size: int = 32,
               device="cpu") -> float:
-    """Mean next-token loss (nats) over windows (n, T)."""
+    """Mean next-token loss (nats) over windows (n, T); under torchrun each rank passes its share and gets the
+    mean over all ranks' tokens."""
     total, count = 0.0, 0
     for i in range(0, len(inputs), batch_size):
         x, y = inputs[i:i + batch_size].to(device), targets[i:i + batch_size].to(device)
         total += float(lm_loss(model(x), y, reduction="sum"))
         count += y.numel()
-    return total / count
+    t = all_reduce_sum(torch.tensor([total, float(count)], dtype=torch.float64))
+    return float(t[0] / t[1])
 
 
 def default_ranks(head_dim: int, rope: bool) -> list[int]:
@@ -241,8 +246,10 @@ def logit_spread(model: torch.nn.Module, inputs: torch.Tensor, batch_size: int, 
             for n in names:
                 if n in cache:
                     sums[n] = sums.get(n, 0) + cache[n]
+    for n in sorted(sums):  # under torchrun: every rank's sequences
+        sums[n] = all_reduce_sum(sums[n].double().contiguous()).to(sums[n].dtype)
+    n_seq = int(all_reduce_sum(torch.tensor([float(len(inputs))], dtype=torch.float64))[0])
     out = {}
-    n_seq = len(inputs)
     for n, s in sums.items():
         layer = int(n.split(".")[1])
         m = (s / n_seq).numpy()  # (6, H, T)
@@ -260,6 +267,7 @@ def rank_truncation(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
     once), per layer the smallest rank whose increase stays within ``tolerance`` nats, and the logit spread.
 
     Returns a JSON-able dict keyed by layer (``layers``), with ``base_loss`` and the token count.
+    Under torchrun each rank evaluates a contiguous share of the windows; losses and moments are all-reduced.
     """
     if basis not in ("auto", "weights", "data"):
         raise CemtoolError(f"basis={basis!r}: choose auto, weights or data")
@@ -269,6 +277,9 @@ def rank_truncation(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
     layers, skipped = attention_layers(model)
     if not layers:
         raise CemtoolError("no layer of this model has truncatable attention (no blocks.<i>.attn.q hook point)")
+    n_tokens = int(targets.numel())
+    mine = shard(len(inputs))  # this rank's windows (all of them with one process)
+    inputs, targets = inputs[mine.start:mine.stop], targets[mine.start:mine.stop]
     base = mean_loss(model, inputs, targets, batch_size, device)
     factors: dict[int, list] = {}
     basis_used: dict[int, str] = {}
@@ -332,7 +343,7 @@ def rank_truncation(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
     notes = {str(i): why for i, why in sorted(skipped.items())}
     if getattr(model, "family", "") == "cem" and model.cfg.cem.dplr:
         notes["dplr"] = "CEM dplr: only the low-rank part W_Qᵀ W_K is truncated; the diagonal term stays"
-    return {"measure": "saturation", "base_loss": base, "tokens": int(targets.numel()), "tolerance": tolerance,
+    return {"measure": "saturation", "base_loss": base, "tokens": n_tokens, "tolerance": tolerance,
             "basis": basis, "layers": result_layers, "not_applicable": notes,
             "logits": {str(k): v for k, v in logit_spread(model, inputs, batch_size, device).items()}}
 

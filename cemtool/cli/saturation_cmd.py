@@ -84,6 +84,7 @@ def analyze(
     from cemtool.analysis.saturation import advice_toml, allocation_advice, rank_truncation, truncation_rows
     from cemtool.config import replace, to_dict
     from cemtool.data.corpus import load_corpus, windows
+    from cemtool.distributed import check_same_device, init_distributed
     from cemtool.models.allocation import layer_shapes
     from cemtool.models.registry import build_model
     from cemtool.report import provenance, write_report
@@ -101,6 +102,8 @@ def analyze(
     if rank_list and min(rank_list) < 0:
         raise typer.BadParameter("ranks must be >= 0", param_hint="--ranks")
     dev = pick_device(device)
+    dd = init_distributed(dev)  # under torchrun: the evaluation windows are sharded over the ranks
+    check_same_device(dev)
     loaded = load_run(run, checkpoint=checkpoint, device=dev, data=data)
     cfg = loaded.config
     T = cfg.data.seq_len
@@ -113,6 +116,8 @@ def analyze(
         result = rank_truncation(loaded.model, x, y, ranks=rank_list, basis=basis, tolerance=tolerance,
                                  per_head=per_head, batch_size=batch_size, device=dev,
                                  progress=lambda s, d, t: bar.update(task, completed=d, total=t, status=s))
+    if not dd.main:  # every rank holds the same results; rank 0 alone writes and prints
+        return
     shapes = layer_shapes(cfg.model)
     tolerated = {e["layer"]: e["tolerated_rank"] for e in result["layers"]}
     sens = {e["layer"]: e["sensitivity"] for e in result["layers"]}
