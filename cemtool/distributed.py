@@ -46,6 +46,8 @@ def init_distributed(device: torch.device) -> Dist:
     if world <= 1:
         return Dist()
     if not dist.is_initialized():
+        if device.type == "cuda":  # nccl talks to the current device: one GPU per rank
+            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=_timeout())
     return Dist(dist.get_rank(), dist.get_world_size())
 
@@ -68,7 +70,12 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if current().world == 1:
         return t
     try:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if dist.get_backend() == "nccl" and t.device.type != "cuda":  # nccl reduces GPU tensors only
+            on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            t.copy_(on_gpu)
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     except (RuntimeError, ValueError) as e:  # DistBackendError is a RuntimeError
         raise _failed("all_reduce", e) from None
     return t
