@@ -205,3 +205,28 @@ def test_kept_graphs_stay_within_the_stated_budget():
         torch.testing.assert_close(h0, h1, rtol=1e-12, atol=1e-14)
     with pytest.raises(CemtoolError, match="budget"):
         Objective(model, x, y, dtype="fp64", graph_budget=-1)
+
+
+def test_probe_sample_merge_keeps_the_one_process_sample(monkeypatch):
+    from cemtool.analysis import collapse
+    from cemtool.analysis.collapse import ProbeClasses, ProbeSample
+
+    classes = ProbeClasses(["a", "b"], [[1, 2], [3, 4]], "words")
+    idx = torch.randint(0, 8, (6, 8), generator=torch.Generator().manual_seed(0))
+
+    def sample(rows: torch.Tensor, per_class: int) -> ProbeSample:
+        s = ProbeSample(classes, 8, per_class)
+        sel = s.select(rows)
+        if sel is not None:
+            s.add("0.values", rows[sel[0], sel[1]].double()[:, None])  # the token id as its own feature
+        return s
+
+    one = sample(idx, 5)
+    # rank 0 holds the first three windows, rank 1 the rest (each capped at 5 per class on its own), rank 2 none
+    parts = [(s.labels, s.features) for s in (sample(idx[:3], 5), sample(idx[3:], 5), ProbeSample(classes, 8, 5))]
+    merged = ProbeSample(classes, 8, 5)
+    monkeypatch.setattr(collapse, "all_gather", lambda obj: parts)
+    merged.merge_ranks()
+    (f1, y1, m1), (f2, y2, m2) = one.balanced(), merged.balanced()
+    assert m1 == m2 > 0 and torch.equal(y1, y2) and torch.equal(f1["0.values"], f2["0.values"])
+    assert merged.counts == one.counts

@@ -482,7 +482,8 @@ class ProbeSample:
             keep[torch.nonzero(y == c).squeeze(1)[:self.per_class]] = True
         self.counts = [int((y[keep] == c).sum()) for c in range(self.k)]
         self.labels = [y[keep]]
-        self.features = {n: [torch.cat([t for _, f in parts for t in f[n]])[keep]] for n in parts[0][1]}
+        names = dict.fromkeys(n for _, f in parts for n in f)  # a rank that found no class adds nothing
+        self.features = {n: [torch.cat([t for _, f in parts for t in f.get(n, [])])[keep]] for n in names}
 
     def balanced(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
         """Features per name and labels, each class truncated to the rarest class's count m; returns m.
