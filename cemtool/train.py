@@ -381,7 +381,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                     writer.append_metrics(row)
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
                   tokens=tokens_seen)
-            if tracker is not None and dd.main and step % tc.curvature_every == 0:  # before the checkpoint
+            if tracker is not None and step % tc.curvature_every == 0:  # every rank (data-parallel HVPs)
                 row = {**tracker.measure(model, opt, step=step, lr=lr_at(step, steps_total, tc), beta1=tc.beta1),
                        "tokens": tokens_seen}
                 if writer is not None:

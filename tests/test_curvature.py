@@ -181,6 +181,15 @@ def test_subset_matching_nothing_is_one_line_before_any_run(tmp_path, text_file,
     assert cfg.train.curvature_params == spec
 
 
+def test_too_few_windows_for_the_processes_refused_at_config_time(text_file, monkeypatch):
+    """Under torchrun every rank evaluates a share of the curvature batch: fewer windows than processes is refused
+    when the config resolves (WORLD_SIZE known), not at the first measurement."""
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(CemtoolError, match="makes 2 window.* for 3 processes"):
+        _setup(text_file, ["train.curvature_every=5", "train.curvature_tokens=32"])  # seq_len 16: 2 windows
+    assert _setup(text_file, ["train.curvature_every=5", "train.curvature_tokens=48"])[0].train.curvature_tokens == 48
+
+
 @pytest.mark.parametrize("setting, words", [
     (["train.curvature_trace=2"], "or at least 4 HVPs"),
     (["train.curvature_precond=true", "train.optimizer=muon"], "needs train.optimizer=adamw"),

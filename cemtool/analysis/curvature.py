@@ -10,6 +10,8 @@ explicit attention), :func:`~cemtool.analysis.hessian.lanczos` for λ_max and
   (so that an eigenvalue that overtook the previous top is still in the Krylov space), drawn from a generator
   seeded by (seed, step) alone: the training RNG is never touched, and a resumed run, which restores the previous
   vector from its checkpoint (:meth:`CurvatureTracker.state`), measures exactly what the uninterrupted run did;
+- **torchrun**: the Objective shards the batch over the ranks and all-reduces every HVP, so every rank runs the
+  same measurement (and holds the same warm start); rank 0 writes the row;
 - the **preconditioned sharpness** λ_max(P^{-1} H) = λ_max(P^{-1/2} H P^{-1/2}) of Adam(W), with P the diagonal
   by which torch's AdamW divides its momentum buffer: P = (1 - β1^t)(sqrt(v_t / (1 - β2^t)) + eps) / lr_mult
   (both bias corrections and each group's learning-rate multiplier folded in, so that η P^{-1} is exactly the
@@ -189,9 +191,11 @@ def tracker_for(cfg, corpus, model: nn.Module) -> CurvatureTracker:
     ``corpus`` covering ``train.curvature_tokens`` (those ``cemtool sharpness --tokens N`` takes), its subset
     checked against ``model`` (a one-line error before any training step)."""
     from cemtool.data.corpus import windows
+    from cemtool.distributed import shard
 
     t, T = cfg.train, cfg.data.seq_len
     x, y = windows(corpus.val, corpus.eval_windows(T, t.curvature_tokens), T)  # (S, T) each
+    shard(len(x), f"curvature windows of {T} tokens (train.curvature_tokens={t.curvature_tokens})")  # K ranks: K+
     tracker = CurvatureTracker(x, y, params=t.curvature_params, max_steps=t.curvature_steps,
                                trace_hvps=t.curvature_trace, precond=t.curvature_precond, seed=cfg.seed)
     tracker.check(model)
@@ -200,11 +204,20 @@ def tracker_for(cfg, corpus, model: nn.Module) -> CurvatureTracker:
 
 def check_run_config(cfg) -> None:
     """At config time (before any run directory exists): the subset must match parameters of the configured
-    model (built on the meta device, which allocates nothing)."""
+    model (built on the meta device, which allocates nothing), and under torchrun (WORLD_SIZE) every rank needs
+    at least one window of the batch."""
+    import os
+
     from cemtool.models.registry import get_arch
 
-    if not cfg.train.curvature_every:
+    t = cfg.train
+    if not t.curvature_every:
         return
+    world, windows = int(os.environ.get("WORLD_SIZE", "1")), max(1, t.curvature_tokens // cfg.data.seq_len)
+    if windows < world:
+        raise CemtoolError(f"train.curvature_tokens={t.curvature_tokens} makes {windows} window(s) of "
+                           f"data.seq_len={cfg.data.seq_len} tokens for {world} processes: every rank needs one",
+                           hint=f"raise train.curvature_tokens to at least {world * cfg.data.seq_len}")
     with torch.device("meta"):
         model = get_arch(cfg.model.arch).build(cfg.model)
     check_params(model, cfg.train.curvature_params)
