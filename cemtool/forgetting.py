@@ -134,7 +134,8 @@ def finetune_config(source: RunConfig, target: str, recipe: Recipe, eval_tokens:
         "train.min_lr_ratio": recipe.min_lr_ratio, "train.grad_clip": recipe.grad_clip,
         "train.eval_every": recipe.eval_every, "train.ckpt_every": recipe.eval_every,
         "train.log_every": max(1, min(tc.log_every, recipe.eval_every)),
-        "train.eval_tokens": eval_tokens or tc.eval_tokens})
+        "train.eval_tokens": eval_tokens or tc.eval_tokens,
+        "train.curvature_every": 0})  # the source's curvature tracking is not part of the recipe
 
 
 def check_tokenizer(kind: str, target: str) -> None:

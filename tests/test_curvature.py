@@ -190,6 +190,13 @@ def test_too_few_windows_for_the_processes_refused_at_config_time(text_file, mon
     assert _setup(text_file, ["train.curvature_every=5", "train.curvature_tokens=48"])[0].train.curvature_tokens == 48
 
 
+def test_fine_tunes_do_not_inherit_curvature_tracking(text_file):
+    from cemtool.forgetting import REFERENCE, finetune_config
+
+    cfg, _ = _setup(text_file, ["train.curvature_every=5", "train.curvature_precond=true"])
+    assert finetune_config(cfg, text_file, REFERENCE).train.curvature_every == 0
+
+
 @pytest.mark.parametrize("setting, words", [
     (["train.curvature_trace=2"], "or at least 4 HVPs"),
     (["train.curvature_precond=true", "train.optimizer=muon"], "needs train.optimizer=adamw"),
