@@ -60,7 +60,7 @@ def measure(die: bool = False) -> dict:
     return {"loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,
             "traces": [t.trace for t in rep.traces], "sharpness": [s.value for s in rep.sharpness],
             "slice_1d": list(rep.slice_1d.losses), "slice_2d": [v for r in rep.slice_2d.losses for v in r],
-            "density": list(rep.density.density),
+            "density": list(rep.density.density), "batches": [rep.batches],
             "entropy": [L["values"]["entropy"]["mean"] for L in col["layers"]],
             "entropy_heads": [h["mean"] for L in col["layers"] for h in L["values"]["entropy_per_head"]],
             "hidden": [L["hidden"][k]["mean"] if k != "erank_all" else L["hidden"][k] for L in col["layers"]

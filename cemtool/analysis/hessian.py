@@ -223,6 +223,7 @@ class Objective:
         mine = shard(len(x))  # this rank's sequences (all of them with one process)
         x, y = x[mine.start:mine.stop].cpu(), y[mine.start:mine.stop].cpu()
         self.batches = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]  # on the CPU until used
+        self.n_batches = int(all_reduce_sum(torch.tensor([float(len(self.batches))], dtype=torch.float64))[0])
         self.keep_graph = keep_graph
         if graph_budget is not None and graph_budget < 0:
             raise CemtoolError(f"the kept-graph memory budget must be >= 0 bytes, got {graph_budget}")

@@ -437,7 +437,7 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         cb(1)
         rep = SharpnessReport(o, obj.tokens, int(x.shape[0]), int(x.shape[1]), obj.n,
                               sum(p.numel() for p in obj.model.parameters()), list(obj.names), loss0,
-                              float(g.norm()), batches=len(obj.batches), tokens_requested=tokens_requested)
+                              float(g.norm()), batches=obj.n_batches, tokens_requested=tokens_requested)
         if tokens_requested is not None and tokens_requested != obj.tokens:
             rep.notes.append(tokens_note(tokens_requested, obj.tokens, int(x.shape[0]), int(x.shape[1])))
         if o.top_k + o.bottom_k > 0 and o.lanczos_steps > 0:
