@@ -482,12 +482,12 @@ def describe_fields(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, 
         help_ = f.metadata.get("help", "")
         if f.metadata.get("choices"):
             help_ += f" [{'|'.join(map(str, f.metadata['choices']))}]"
-        rows.append((path, getattr(tp, "__name__", str(tp)), json.dumps(to_dict_value(default)), help_))
         if f.metadata.get("min") is not None and f.metadata.get("max") is not None:
             lo, hi = f.metadata["min"], f.metadata["max"]
             help_ += f" [{lo:,} to {hi:,}]" if tp is int else f" [{lo:g} to {hi:g}]"
         elif tp is float:
             help_ += " [finite]"
+        rows.append((path, getattr(tp, "__name__", str(tp)), json.dumps(to_dict_value(default)), help_))
     return rows
 
 
