@@ -137,6 +137,9 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device
     groups = param_groups(model, tc)
     muon = None
     if tc.optimizer == "muon":
+        if not hasattr(torch.optim, "Muon"):  # added in torch 2.9
+            raise ConfigError(f"train.optimizer=muon needs torch.optim.Muon (torch >= 2.9); this is torch "
+                              f"{torch.__version__}", hint="upgrade torch, or use train.optimizer=adamw")
         groups, muon = split_muon(model, groups, tc)
     for g in groups:
         g["lr"] = tc.lr * g["lr_mult"]

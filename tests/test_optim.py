@@ -151,3 +151,10 @@ def test_fine_tune_of_a_muon_run_uses_the_adamw_recipe():
 def test_muon_with_zero_lr_is_refused_before_a_run_is_created():
     with pytest.raises(ConfigError, match="needs train.lr > 0"):
         resolve(arch="baseline", overrides=["train.optimizer=muon", "train.lr=0"])
+
+
+def test_muon_on_a_torch_without_it_is_one_config_error(monkeypatch):
+    """torch < 2.9 has no torch.optim.Muon: a ConfigError naming the version, not an AttributeError."""
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ConfigError, match="torch >= 2.9"):
+        make_optimizer(model_of("baseline"), MUON, CPU)
