@@ -402,3 +402,17 @@ def test_collapse_reports_with_different_options_are_flagged(tmp_path, no_comput
         (d / "reports" / "collapse.json").write_text(json.dumps(rep))
     p = compare([tmp_path])
     assert p["mismatch"] == {"collapse": {"alpha": {"0.5": ["r0"], "1.0": ["r1"]}}}
+
+
+def test_tables_of_a_compare_json_written_before_bits_per_byte(tmp_path, no_compute):
+    """A compare.json from an older cemtool has no val_bpb/val_ppl: its tables (and so `cemtool plot`) still work."""
+    from cemtool.analysis.compare import arch_table, flat_arch_rows
+
+    d = fake_run(tmp_path, "r0", "baseline", 0, 5.0)
+    (d / "reports" / "sharpness.json").write_text(json.dumps(sharpness_report(1024, 1.0)))
+    p = compare([tmp_path])
+    for a in p["archs"]:
+        a.pop("val_bpb"), a.pop("val_ppl")
+    cols, rows = arch_table(p)
+    assert "val loss" in cols and "val bits/byte" not in cols
+    assert flat_arch_rows(p)[0]["val_bpb_mean"] is None

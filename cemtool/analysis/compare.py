@@ -548,14 +548,15 @@ def cell(s: dict | None) -> str:
 def arch_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[list[str]]]:
     """One row per architecture and one column per metric that some run provides (``transpose``: one row per
     metric, one column per architecture, which fits a terminal better)."""
-    present = [m for m in METRICS if any(a[m] is not None for a in payload["archs"])]
+    # a metric an older compare.json lacks (e.g. val_bpb before bits per byte were recorded) is simply absent
+    present = [m for m in METRICS if any(a.get(m) is not None for a in payload["archs"])]
     if transpose:
         cols = ["", *[a["label"] for a in payload["archs"]]]
         rows = [["runs", *[str(a["n"]) for a in payload["archs"]]]]
-        rows += [[METRICS[m], *[cell(a[m]) for a in payload["archs"]]] for m in present]
+        rows += [[METRICS[m], *[cell(a.get(m)) for a in payload["archs"]]] for m in present]
         return cols, rows
     cols = ["arch", "n", *[METRICS[m] for m in present]]
-    rows = [[a["label"], str(a["n"]), *[cell(a[m]) for m in present]] for a in payload["archs"]]
+    rows = [[a["label"], str(a["n"]), *[cell(a.get(m)) for m in present]] for a in payload["archs"]]
     return cols, rows
 
 
@@ -565,7 +566,7 @@ def flat_arch_rows(payload: dict) -> list[dict]:
     for a in payload["archs"]:
         row = {"arch": a["label"], "family_arch": a["arch"], "n": a["n"], "seeds": " ".join(map(str, a["seeds"]))}
         for m in METRICS:
-            s = a[m] or {}
+            s = a.get(m) or {}
             row.update({f"{m}_mean": s.get("mean"), f"{m}_std": s.get("std"), f"{m}_n": s.get("n", 0)})
         out.append(row)
     return out
