@@ -39,6 +39,13 @@ fine-tune's metrics.jsonl as ``{"step", "tokens", "source_val_loss", "source_val
 interrupted fine-tune resumes with its curve intact. This is the one analysis that trains, hence the one that
 imports ``cemtool.train``.
 
+Under ``torchrun`` (DESIGN "Distributed") the fine-tune trains data-parallel (``train`` runs DDP) and the
+evaluations of the source and step-0 target losses shard the validation windows over the ranks (contiguously,
+:func:`cemtool.distributed.shard`) and all-reduce float64 token sums. Rank 0 alone creates (or reopens and locks)
+the run directory, writes metrics rows, checkpoints and the report; it decides what is left to do and tells the
+other ranks (:func:`_from_main`), which read the checkpoints it writes (one machine: a shared filesystem). Every
+rank returns the same payload.
+
 Report schema (``reports/forgetting.json`` of the fine-tuned run; ``reports/forgetting.csv`` holds ``curve``)::
 
     {
@@ -71,6 +78,7 @@ import torch
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import Corpus, load_corpus
+from cemtool.distributed import all_gather, all_reduce_sum, check_same_device, current, init_distributed, shard
 from cemtool.errors import CemtoolError
 from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
@@ -200,7 +208,8 @@ def summarise(curve: list[dict]) -> dict:
 
 
 class _Evaluator:
-    """Evaluates weights on the fixed validation windows of both corpora (a model instance of its own)."""
+    """Evaluates weights on the fixed validation windows of both corpora (a model instance of its own); under
+    torchrun each rank evaluates its share of the windows and the token sums are all-reduced."""
 
     def __init__(self, cfg: RunConfig, source: Corpus, target: Corpus, device: torch.device):
         T = cfg.data.seq_len
@@ -209,16 +218,20 @@ class _Evaluator:
         self.target_starts = target.eval_windows(T, cfg.train.eval_tokens)  # what train() evaluates on
         self.source_floor = source.floor(self.source_starts, T)
         self.target_floor = target.floor(self.target_starts, T)
+        self.source_mine = self.source_starts[shard(len(self.source_starts))]  # this rank's windows (all of them
+        self.target_mine = self.target_starts[shard(len(self.target_starts))]  # with one process)
         self.model = build_model(cfg.model).to(device)
 
     def loss(self, weights: dict[str, torch.Tensor], which: str) -> float:
+        """Mean token loss of ``weights`` on every rank's windows of ``which`` (source or target)."""
         from cemtool.train import evaluate
 
         self.model.load_state_dict(weights, strict=True)
-        corpus, starts = (self.source, self.source_starts) if which == "source" else (self.target,
-                                                                                      self.target_starts)
-        return evaluate(self.model, corpus, starts, self.cfg.data.seq_len, self.device,
-                        precision=self.cfg.train.precision)
+        corpus, mine = (self.source, self.source_mine) if which == "source" else (self.target, self.target_mine)
+        T = self.cfg.data.seq_len
+        mean = evaluate(self.model, corpus, mine, T, self.device, precision=self.cfg.train.precision)
+        total, count = all_reduce_sum(torch.tensor([mean * len(mine) * T, len(mine) * T], dtype=torch.float64))
+        return float(total / count)
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -233,6 +246,26 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     for alias, target in header.get("aliases", {}).items():
         weights[alias] = weights[target]
     return weights
+
+
+def _from_main(fn: Callable[[], object]) -> object:
+    """``fn()`` evaluated on rank 0 alone, handed to every rank (a barrier too). An error of rank 0 (a one-line
+    CemtoolError or OSError) stops every rank: rank 0 raises its own, the others one line naming it."""
+    d = current()
+    if d.world == 1:
+        return fn()
+    value, error = None, None
+    if d.main:
+        try:
+            value = fn()
+        except (CemtoolError, OSError) as e:
+            error = e
+    got, failed = all_gather((value, None if error is None else str(error).splitlines()[0]))[0]
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CemtoolError(f"rank {d.rank}: rank 0 stopped the fine-tune: {failed}")
+    return got
 
 
 def _source_row(ev: _Evaluator, weights: dict, step: int, tokens: int) -> dict:
@@ -286,6 +319,9 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     """
     from cemtool.train import pick_device, train
 
+    dev = device if isinstance(device, torch.device) else pick_device(device)
+    main = init_distributed(dev).main  # under torchrun: DDP training, sharded evaluations, rank 0 writes
+    check_same_device(dev)
     loaded = load_run(source, checkpoint, data=data)  # read only: the source run is not locked
     src, src_cfg, tok = loaded.run, loaded.config, loaded.tokenizer
     check_tokenizer(tok.kind, target)
@@ -297,63 +333,82 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     out = Path(out) if out is not None else default_out(src.path, target)
     if out.resolve() == src.path.resolve() or src.path.resolve() in out.resolve().parents:
         raise CemtoolError(f"the fine-tune cannot be written into the source run {src.path}", hint="use another --out")
-    if resume:
-        clear_partial_run(out)
-    existing = is_run(out) and not force
-    if existing and not resume:
-        raise CemtoolError(f"{out} already holds a run", hint="use --resume to continue it, --force to move it "
-                                                              "aside, or another --out")
-    run = _open_existing(out, src, cfg) if existing else None
-    if run is not None and (run.reports / "forgetting.json").exists():
-        run.unlock()
-        return read_json(run.reports / "forgetting.json", "forgetting report")
+    target_corpus = load_corpus(cfg.data, tokenizer=tok)
+    source_corpus = load_corpus(src_cfg.data, tokenizer=tok)
+    ev = _Evaluator(cfg, source_corpus, target_corpus, dev)  # refuses more ranks than windows, before any writing
+    run: Run | None = None
+
+    def start() -> tuple[str, bool, dict | None]:
+        """Rank 0: create or reopen (and lock) the fine-tune; (its path, whether it existed, a finished report)."""
+        nonlocal run
+        if resume:
+            clear_partial_run(out)
+        existing = is_run(out) and not force
+        if existing and not resume:
+            raise CemtoolError(f"{out} already holds a run", hint="use --resume to continue it, --force to move it "
+                                                                  "aside, or another --out")
+        if existing:
+            run = _open_existing(out, src, cfg)
+            if (run.reports / "forgetting.json").exists():
+                return str(run.path), True, read_json(run.reports / "forgetting.json", "forgetting report")
+            return str(run.path), True, None
+        run = create_run(out, cfg, force=force, argv=argv if argv is not None else sys.argv, device=str(dev),
+                         extra_meta={"parent": str(src.path.resolve()), "kind": "forgetting",
+                                     "source_checkpoint": ckpt_path.name, "source_step": ckpt_step,
+                                     "corpus": target_corpus.info}, tokenizer=tok)
+        if (src.path / "model_source.json").is_file():  # a model cemtool did not train: the fine-tune keeps
+            atomic_write_bytes(run.path / "model_source.json",  # its description (and rebuilds from it)
+                               (src.path / "model_source.json").read_bytes())
+        return str(run.path), False, None
+
     try:
-        dev = device if isinstance(device, torch.device) else pick_device(device)
-        target_corpus = load_corpus(cfg.data, tokenizer=tok)
-        source_corpus = load_corpus(src_cfg.data, tokenizer=tok)
-        if run is None:
-            run = create_run(out, cfg, force=force, argv=argv if argv is not None else sys.argv, device=str(dev),
-                             extra_meta={"parent": str(src.path.resolve()), "kind": "forgetting",
-                                         "source_checkpoint": ckpt_path.name, "source_step": ckpt_step,
-                                         "corpus": target_corpus.info}, tokenizer=tok)
-            if (src.path / "model_source.json").is_file():  # a model cemtool did not train: the fine-tune keeps
-                atomic_write_bytes(run.path / "model_source.json",  # its description (and rebuilds from it)
-                                   (src.path / "model_source.json").read_bytes())
-        ev = _Evaluator(cfg, source_corpus, target_corpus, dev)
-        if not any(r.get("step") == 0 and "source_val_loss" in r for r in run.metrics()):
+        path, existing, done = _from_main(start)
+        if done is not None:
+            return done
+        if run is None:  # the other ranks read the run (train() restores their weights from its checkpoint)
+            run = open_run(path)
+        if _from_main(lambda: not any(r.get("step") == 0 and "source_val_loss" in r for r in run.metrics())):
             row = _source_row(ev, weights, 0, 0)
             row.update(val_loss=ev.loss(weights, "target"), val_floor=ev.target_floor)
-            run.append_metrics(row)
-        if run.meta().get("status") != "completed":
+            if main:
+                run.append_metrics(row)
+        if _from_main(lambda: run.meta().get("status") != "completed"):
             res = train(cfg, target_corpus, run, device=dev, resume=existing, init_weights=weights,
                         callback=_tracker(run, ev, callback))
             if res.status != "completed":
                 raise KeyboardInterrupt  # train() caught a Ctrl-C and kept the last checkpoint
-        if not any(r.get("step") == rec.steps and "source_val_loss" in r for r in run.metrics()):
+        if _from_main(lambda: not any(r.get("step") == rec.steps and "source_val_loss" in r for r in run.metrics())):
             _track(run, ev, "final", rec.steps, callback)  # the final weights (also after a kill right at the end)
-        return _report(run, src, src_cfg, cfg, rec, ev, ckpt_path.name, ckpt_step, target_corpus)
+        return _from_main(lambda: _report(run, src, src_cfg, cfg, rec, ev, ckpt_path.name, ckpt_step,
+                                          target_corpus))
     finally:
         if run is not None:
             run.unlock()
 
 
 def _track(run: Run, ev: _Evaluator, which: str | int, step: int, callback: Callback | None) -> None:
-    """Measure the source loss of one of the fine-tune's checkpoints and append it to the run's metrics."""
+    """Measure the source loss of one of the fine-tune's checkpoints (every rank, once rank 0 has written it) and
+    append it to the run's metrics (rank 0)."""
     tokens = step * ev.cfg.train.batch_size * ev.cfg.train.grad_accum * ev.cfg.data.seq_len
+    _from_main(lambda: None)  # a barrier: rank 0 has written the checkpoint
     row = _source_row(ev, _read_weights(find_checkpoint(run, which)), step, tokens)
-    run.append_metrics(row)
+    if current().main:
+        run.append_metrics(row)
     if callback is not None:
         callback({"kind": "source_eval", "step": step, "source_loss": row["source_val_loss"]})
 
 
 def _tracker(run: Run, ev: _Evaluator, callback: Callback | None) -> Callback:
     """The training loop's callback: passes the events on, and measures the source loss on every checkpoint the
-    loop writes (one per evaluation; the final weights are measured after the loop)."""
+    loop writes (one per evaluation but the last; the final weights are measured after the loop). Rank 0 is told
+    of a checkpoint; the other ranks, which write none, act on the evaluation that precedes it (ckpt_every =
+    eval_every) and wait in :func:`_track` until rank 0 has written it."""
+    main, total, every = current().main, ev.cfg.train.max_steps, ev.cfg.train.ckpt_every
 
     def on_event(e: dict) -> None:
         if callback is not None:
             callback(e)
-        if e["kind"] == "checkpoint":
+        if e["kind"] == ("checkpoint" if main else "eval") and 0 < e["step"] < total and e["step"] % every == 0:
             _track(run, ev, e["step"], e["step"], callback)
 
     return on_event

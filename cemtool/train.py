@@ -222,7 +222,8 @@ def evaluate(model: torch.nn.Module, corpus: Corpus, starts: np.ndarray, seq_len
         x, y = x.to(device), y.to(device)
         with autocast_for(device, precision):
             logits = model(x)
-        total += float(lm_loss(logits, y, reduction="sum"))
+        # summed in float64 (on the CPU: MPS has none): the same total however the windows are batched or sharded
+        total += float(lm_loss(logits, y, reduction="none").cpu().double().sum())
         count += y.numel()
     model.train(was)
     return total / count

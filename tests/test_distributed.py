@@ -230,3 +230,68 @@ def test_probe_sample_merge_keeps_the_one_process_sample(monkeypatch):
     (f1, y1, m1), (f2, y2, m2) = one.balanced(), merged.balanced()
     assert m1 == m2 > 0 and torch.equal(y1, y2) and torch.equal(f1["0.values"], f2["0.values"])
     assert merged.counts == one.counts
+
+
+
+@pytest.fixture(scope="module")
+def grammar_src(tmp_path_factory) -> str:
+    from conftest import train_tiny
+
+    return train_tiny(tmp_path_factory.mktemp("fg") / "src")  # batch 8 (4 sequences per rank), 32 eval windows
+
+
+def test_forgetting_on_two_ranks_gives_the_one_process_fine_tune(tmp_path, grammar_src):
+    from typer.testing import CliRunner
+
+    from cemtool.cli.main import app
+    from cemtool.data.corpus import load_corpus
+    from cemtool.runs import load_run
+    from cemtool.train import evaluate
+
+    opts = ["--to", "grammar-b", "--steps", "6", "--eval-every", "3", "--device", "cpu", "--json"]
+    res = CliRunner().invoke(app, ["forgetting", grammar_src, *opts, "--out", str(tmp_path / "one"), "-q"])
+    assert res.exit_code == 0, res.output
+    cmd = [sys.executable, "-m", "cemtool", "forgetting", grammar_src, *opts, "--out", str(tmp_path / "two")]
+    ranks = _ranks(cmd, 2)
+    assert all(r.returncode == 0 for r in ranks), ranks[0].stderr[-2000:] + ranks[1].stderr[-2000:]
+    assert ranks[0].stdout and not ranks[1].stdout  # rank 0 alone prints
+    one, two = json.loads(res.stdout), json.loads(ranks[0].stdout)
+    assert two == json.loads((tmp_path / "two" / "reports" / "forgetting.json").read_text())
+    assert json.loads((tmp_path / "two" / "meta.json").read_text())["world_size"] == 2
+    assert [p["step"] for p in one["curve"]] == [p["step"] for p in two["curve"]] == [0, 3, 6]
+    # the same weights (the source's, step 0): the sharded evaluations equal one process's to float64 rounding
+    assert _close(one["before"]["source_loss"], two["before"]["source_loss"], 1e-12)
+    assert _close(one["before"]["target_loss"], two["before"]["target_loss"], 1e-12)
+    # the fine-tuned weights of the 2-rank run, evaluated in one process: its sharded evaluation
+    tuned = load_run(tmp_path / "two")
+    A = load_corpus(load_run(grammar_src).config.data, tokenizer=tuned.tokenizer)
+    T = tuned.config.data.seq_len
+    loss = evaluate(tuned.model, A, A.eval_windows(T, tuned.config.train.eval_tokens), T, "cpu", precision="fp32")
+    assert _close(loss, two["after"]["source_loss"], 1e-12)
+    # the training: DDP averages the two ranks' fp32 gradients (another rounding than one batch's mean), so the
+    # fine-tuned weights differ by ~1e-8; every loss on the curve still agrees to 1e-6 relative (measured ~2e-9)
+    for key in ("source_loss", "target_loss"):
+        assert _close([p[key] for p in one["curve"]], [p[key] for p in two["curve"]]), key
+    # forgetting and plasticity are differences of such losses (~5 nats): they agree to 1e-6 x the losses
+    for key in ("forgetting", "plasticity"):
+        assert abs(one[key] - two[key]) <= 1e-6 * one["before"]["source_loss"], (key, one[key], two[key])
+    # an error on rank 0 (here: --out already holds a run) stops the other rank with one line naming it
+    again = _ranks(cmd, 2)
+    assert [r.returncode for r in again] == [1, 1]
+    assert again[0].stderr.strip().startswith("Error:") and "already holds a run" in again[0].stderr
+    assert again[1].stderr.strip().startswith("Error: rank 1: rank 0 stopped the fine-tune:") and "already holds" in \
+        again[1].stderr
+
+
+def test_forgetting_with_more_ranks_than_evaluation_windows_is_one_line(tmp_path, grammar_src, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cemtool.cli.main import app
+
+    monkeypatch.setattr(distributed, "current", lambda: Dist(0, 3))
+    monkeypatch.setattr(distributed, "all_gather", lambda obj: [obj] * 3)  # check_same_device: all on the CPU
+    res = CliRunner().invoke(app, ["forgetting", grammar_src, "--to", "grammar-b", "--steps", "2", "--eval-tokens",
+                                   "32", "--device", "cpu", "-q", "--out", str(tmp_path / "ft")])
+    assert res.exit_code == 1
+    assert res.output.startswith("Error: 3 processes but only 2 evaluation sequences: every rank needs at least one")
+    assert not (tmp_path / "ft").exists()  # refused before the fine-tune's directory is made

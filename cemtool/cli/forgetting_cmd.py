@@ -74,12 +74,18 @@ def forgetting(
 ) -> None:
     """Fine-tune RUN on other data with one fixed recipe (METHODS §7) and report forgetting = L_source(after) -
     L_source(before) and plasticity = L_target(before) - L_target(after), with both curves. Writes a NEW run
-    (meta.json "parent" = RUN) holding reports/forgetting.json and .csv."""
+    (meta.json "parent" = RUN) holding reports/forgetting.json and .csv. Under torchrun the fine-tune trains
+    data-parallel and the evaluations are sharded; rank 0 alone writes and prints."""
     from cemtool.cli.train_cmd import ProgressReporter
+    from cemtool.distributed import init_distributed
     from cemtool.forgetting import fine_tune
+    from cemtool.train import pick_device
 
     if resume and force:
         raise typer.BadParameter("--resume continues --out, --force replaces it: choose one", param_hint="--force")
+    dev = pick_device(device)
+    main = init_distributed(dev).main
+    quiet = quiet or not main
     recipe = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "min_lr_ratio": min_lr_ratio,
               "grad_clip": grad_clip}
     with ProgressReporter(quiet) as rep:
@@ -89,8 +95,10 @@ def forgetting(
                 rep.bar.console.print(f"step {ev['step']:>6}  source val {ev['source_loss']:.4f}", markup=False)
 
         payload = fine_tune(run, to, out, checkpoint=checkpoint, data=data, steps=steps, warmup_steps=warmup,
-                            eval_every=eval_every, eval_tokens=eval_tokens, recipe=recipe, device=device,
+                            eval_every=eval_every, eval_tokens=eval_tokens, recipe=recipe, device=dev,
                             resume=resume, force=force, callback=progress, argv=sys.argv)
+    if not main:  # every rank holds the same report; rank 0 alone prints
+        return
     if json_:
         console.print_json(payload)
         return
