@@ -726,10 +726,11 @@ def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.
                            f"model ({str(e).splitlines()[0][:120]})", hint="use an earlier checkpoint") from None
 
 
-def resume_checkpoint(run: Run) -> tuple[Checkpoint | None, list[str]]:
+def resume_checkpoint(run: Run, set_aside: bool = True) -> tuple[Checkpoint | None, list[str]]:
     """The newest step checkpoint that verifies, and a note for each newer one skipped (corrupt, truncated, not
-    cemtool's); those are renamed to ``<name>.corrupt`` (kept, but no longer taken for checkpoints, nor pruned
-    in place of good ones). (None, []) if the run has no step checkpoint; an error if none of them verifies."""
+    cemtool's); with ``set_aside`` (the one writing process) those are renamed to ``<name>.corrupt`` (kept, but no
+    longer taken for checkpoints, nor pruned in place of good ones). (None, []) if the run has no step checkpoint;
+    an error if none of them verifies."""
     try:
         entries = manifest(run)
         notes = []
@@ -744,7 +745,8 @@ def resume_checkpoint(run: Run) -> tuple[Checkpoint | None, list[str]]:
             errors.append((path, e.message))
             continue
         for bad, why in errors:
-            bad.rename(bad.with_name(bad.name + ".corrupt"))
+            if set_aside:
+                bad.rename(bad.with_name(bad.name + ".corrupt"))
             notes.append(f"resuming from {path.name}: skipped {bad.name} ({why}; kept as {bad.name}.corrupt)")
         return ckpt, notes
     if not steps:

@@ -289,7 +289,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     steps_total = total_steps(cfg)
     step, tokens_seen = 0, 0
     if resume and run is not None:
-        step, tokens_seen = _restore(run, model, opt, callback, tracker)
+        step, tokens_seen = _restore(run, model, opt, callback, tracker, main=dd.main)
         if writer is not None:
             writer.truncate_metrics(step)
             writer.mark_resumed(str(dev))  # only now: a resume that fails leaves meta.json as it was
@@ -483,10 +483,10 @@ def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, extra: 
 
 
 def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None,
-             tracker: curvature.CurvatureTracker | None = None) -> tuple[int, int]:
+             tracker: curvature.CurvatureTracker | None = None, main: bool = True) -> tuple[int, int]:
     """Weights, optimizer and RNG state (and the curvature tracker's warm start) of the newest step checkpoint that
-    verifies; a newer one that does not is set aside, with a 'note' event saying so."""
-    ckpt, notes = resume_checkpoint(run)
+    verifies; a newer one that does not is set aside (by the main process only), with a 'note' event saying so."""
+    ckpt, notes = resume_checkpoint(run, set_aside=main)
     for note in notes:
         _emit(callback, kind="note", message=note)
     if ckpt is None:

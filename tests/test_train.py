@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -131,6 +132,21 @@ def test_ddp_two_processes_match_one(tmp_path, text_file):
     w1 = load_file(str(one / "checkpoints" / "final.safetensors"))
     w2 = load_file(str(two / "checkpoints" / "final.safetensors"))
     assert all(torch.allclose(w1[k], w2[k], atol=1e-4) for k in w1)
+
+    # the same 2-process run killed after its step-20 checkpoint, resumed under torchrun: every rank restores the
+    # step, weights and optimizer state (before the fix only rank 0 did, and the ranks ran different schedules)
+    three = tmp_path / "three"
+    shutil.copytree(two, three)
+    (three / "checkpoints" / "final.safetensors").unlink()
+    meta = json.loads((three / "meta.json").read_text())
+    (three / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), "-m", "cemtool", "train", "--resume", str(three), "--quiet"],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert losses(three) == losses(two)
+    w3 = load_file(str(three / "checkpoints" / "final.safetensors"))
+    assert all(torch.equal(w2[k], w3[k]) for k in w2)
 
 
 def test_non_finite_loss_marks_failed_and_keeps_checkpoint(tmp_path, text_file, monkeypatch):

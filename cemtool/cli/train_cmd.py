@@ -156,7 +156,7 @@ def train(
             raise CemtoolError(f"run {resume} is already completed")
         cfg = run.config()
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(run.path / "tokenizer.json"))
-        writer = run if rank == 0 else None  # train() marks it running again once its checkpoint has loaded
+        writer = run if rank == 0 else None  # rank 0 alone writes (and unlocks) the run
     else:
         cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
         if config and len(config) > 1:
@@ -184,8 +184,10 @@ def train(
             console.info(f"run directory: {writer.path}", quiet)
     try:
         with ProgressReporter(quiet) as rep:
-            res = train_loop(cfg, corpus, writer, device=dev, resume=resume is not None, callback=rep,
-                             allow_data_change=allow_data_change)
+            # on --resume every rank gets the run: each restores weights, optimizer state and step from the same
+            # checkpoint (train() writes only on rank 0 and marks the run running once the checkpoint has loaded)
+            res = train_loop(cfg, corpus, run if resume is not None else writer, device=dev,
+                             resume=resume is not None, callback=rep, allow_data_change=allow_data_change)
     finally:
         if writer is not None:
             writer.unlock()
