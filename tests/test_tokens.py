@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import mmap
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -92,12 +93,38 @@ def test_auto_dtype_is_uint32_for_a_vocabulary_over_65536(tmp_path):
     assert c.tokenizer.kind == "hf" and c.tokenizer.id_to_token(69999) == "w69999"
 
 
-def test_npy_any_integer_dtype_read_in_c_order(tmp_path):
-    ids = np.arange(600, dtype=np.int64).reshape(20, 30)
+def test_npy_any_integer_dtype(tmp_path):
+    ids = np.arange(600, dtype=np.int64)
     np.save(tmp_path / "t.npy", ids)
     c = corpus_of(tmp_path / "t.npy", val_fraction=0.1)
-    np.testing.assert_array_equal(np.concatenate([c.train, c.val]), ids.reshape(-1))
+    np.testing.assert_array_equal(np.concatenate([c.train, c.val]), ids)
     assert c.info["format"] == "npy" and c.info["dtype"] == "int64" and mapped(c.train)
+
+
+def test_npy_of_another_shape_is_refused_not_flattened(tmp_path):
+    for shape in [(20, 30), (2, 3, 100), ()]:
+        np.save(tmp_path / "t.npy", np.zeros(shape, dtype=np.int32))
+        with pytest.raises(CemtoolError, match=rf"shape {re.escape(str(shape))}, not a flat \(N,\) array"):
+            corpus_of(tmp_path / "t.npy")
+
+
+def test_huge_id_without_a_tokenizer_is_refused_before_any_vocabulary_is_built(tmp_path, monkeypatch):
+    id_tokenizer, built = tokmod.id_tokenizer, []
+    with pytest.raises(CemtoolError, match="exceed config.MAX_VOCAB"):
+        id_tokenizer((1 << 24) + 1)
+    monkeypatch.setattr(tokmod, "id_tokenizer", lambda n: built.append(n))
+    np.save(tmp_path / "huge.npy", np.array([1, 2, 2**40, 3] * 1250, dtype=np.int64))
+    np.array([1, 50000] * 50, dtype=np.uint16).tofile(tmp_path / "u16.bin")  # read as uint32: ids ~3.3e9
+    np.save(tmp_path / "edge.npy", np.array([0, 1 << 24], dtype=np.int64))
+    cases = [(["--data", str(tmp_path / "huge.npy")], [f"token id {2**40} at position 2", "MAX_VOCAB"]),
+             (["--data", str(tmp_path / "u16.bin"), "--set", "data.token_dtype=uint32"],
+              [f"token id {50000 << 16 | 1} at position 0", "MAX_VOCAB"]),
+             (["--data", str(tmp_path / "edge.npy")], [f"token id {1 << 24} at position 1", "MAX_VOCAB"])]
+    for i, (args, words) in enumerate(cases):
+        out = tmp_path / f"run{i}"
+        res = CliRunner().invoke(app, ["train", "--out", str(out), "--quiet", "--device", "cpu", *args])
+        one_line_error(res, *words)
+        assert not out.exists() and built == []
 
 
 class Boom:

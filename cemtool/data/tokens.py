@@ -3,8 +3,9 @@
 - ``name.bin``: raw little-endian token ids and nothing else (what nanoGPT's ``prepare.py`` writes), of
   ``data.token_dtype``: uint16 or uint32; ``auto`` (the default) reads uint16, nanoGPT's, unless the vocabulary
   has over 65,536 ids, which uint16 cannot hold, then uint32.
-- ``name.npy``: a NumPy array of integer ids (any shape, read in C order); its dtype comes from its header.
-  Loaded with ``allow_pickle=False``: an object array is refused, nothing is ever unpickled.
+- ``name.npy``: a one-dimensional NumPy array of integer ids (any other shape is refused, never flattened); its
+  dtype comes from its header. Loaded with ``allow_pickle=False``: an object array is refused, nothing is ever
+  unpickled.
 - a folder holding ``train.bin`` (or ``train.npy``) and optionally ``val.bin`` (``val.npy``), nanoGPT's layout:
   the val file is the validation split; without one the last ``data.val_fraction`` of train is held out.
 
@@ -15,7 +16,8 @@ chunks into one buffer, so memory stays flat in the size of the corpus (``benchm
 The vocabulary the ids are checked against: the tokenizer that is given (a run's, when an analysis reloads its
 data), else ``data.tokenizer`` as the path of a Hugging Face ``tokenizer.json`` (the one the files were made
 with, e.g. GPT-2's), else ``byte`` (256 ids), else (``auto``) ids alone: a tokenizer whose token i is the text
-``<i>``, sized max id + 1 (set ``model.vocab_size`` for a larger embedding, e.g. nanoGPT's 50304).
+``<i>``, sized max id + 1 (set ``model.vocab_size`` for a larger embedding, e.g. nanoGPT's 50304); an id of
+``config.MAX_VOCAB`` or more is refused there (a wrong dtype, or not token ids), as any size field above it is.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from cemtool.config import DataConfig
+from cemtool.config import MAX_VOCAB, DataConfig
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from cemtool.errors import CemtoolError
 
@@ -73,8 +75,9 @@ def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, in
                                hint="save it with numpy.save(path, ids) from an integer array") from None
         if header.dtype.kind not in "iu":
             raise CemtoolError(f"{path} holds {header.dtype} values, not integer token ids")
-        if header.ndim > 1 and not header.flags.c_contiguous:
-            raise CemtoolError(f"{path} is stored in Fortran order", hint="save it in C order (numpy's default)")
+        if header.ndim != 1:
+            raise CemtoolError(f"{path} holds an array of shape {header.shape}, not a flat (N,) array of token ids",
+                               hint="save the ids in stream order, e.g. numpy.save(path, ids.reshape(-1))")
         offset = header.offset if isinstance(header, np.memmap) else path.stat().st_size
         return map_tokens(path, header.dtype, offset, header.size), offset
     dtype = np.dtype(token_dtype).newbyteorder("<")
@@ -148,6 +151,9 @@ def check_ids(path: Path, arr: np.ndarray, offset: int, limit: int | None, what:
 def id_tokenizer(vocab_size: int) -> Tokenizer:
     """Ids alone: token i is the text ``<i>`` (whitespace-separated); any other text encodes to nothing, so a probe
     word is never mistaken for an id."""
+    if vocab_size > MAX_VOCAB:
+        raise CemtoolError(f"{vocab_size:,} token ids exceed config.MAX_VOCAB = {MAX_VOCAB:,}",
+                           hint="check data.token_dtype: are these token ids?")
     vocab = {f"<{i}>": i for i in range(vocab_size)}
     hf = HFTokenizer(models.BPE(vocab, [], ignore_merges=True))
     hf.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -211,6 +217,8 @@ def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size
     limit = vocab_size or (tok.vocab_size if tok is not None else None)
     what = f"size {limit}" if vocab_size else f"the {tok.kind} tokenizer" if tok is not None else ""
     dtype, dtype_from = bin_dtype(cfg, limit)
+    if limit is None:  # ids alone: the vocabulary is max id + 1, bounded like any size field
+        limit, what = MAX_VOCAB, f"ids alone, at most config.MAX_VOCAB = {MAX_VOCAB:,} ids"
     train_f, val_f = token_files(cfg.source)
     files = {"train": (train_f, *open_tokens(train_f, dtype))}
     if val_f is not None:
