@@ -247,3 +247,17 @@ def test_config_fields():
     with pytest.raises(CemtoolError, match="data.token_dtype='int8' is not allowed"):
         resolve(overrides=["data.token_dtype=int8"])
     assert resolve(overrides=["data.tokenizer=/x/tokenizer.json"]).data.tokenizer == "/x/tokenizer.json"
+
+
+def test_word_level_run_on_text_outside_its_words_is_one_line_naming_the_word(tmp_path):
+    from cemtool.data.tokenizer import word_tokenizer
+
+    tok = word_tokenizer(["a", "b"])
+    assert tok.encode("a b a") == [0, 1, 0] and tok.encode_batch(["b", "a a"]) == [[1], [0, 0]]
+    for call in (lambda: tok.encode("a zz b"), lambda: tok.encode_batch(["a", "b zz"])):
+        with pytest.raises(CemtoolError, match="the word 'zz', outside the 2-word vocabulary"):
+            call()
+    run = train_tiny(tmp_path / "grammar", extra=["train.max_steps=4", "train.eval_every=2"])
+    res = CliRunner().invoke(app, ["sharpness", run, "--data", "pydoc", "--quick", "--device", "cpu", "--quiet"])
+    one_line_error(res, "outside the", "word-level")
+    assert "internal error" not in res.output and "run's own source" in res.output

@@ -30,10 +30,28 @@ class Tokenizer:
         return self.hf.get_vocab_size()
 
     def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=False).ids
+        try:
+            return self.hf.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # tokenizers raises plain Exception (a word-level one on any unknown word)
+            raise self._encode_error([text], e) from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        try:
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        except Exception as e:
+            raise self._encode_error(texts, e) from None
+
+    def _encode_error(self, texts: list[str], e: Exception) -> CemtoolError:
+        """One line for text this tokenizer cannot encode: for a word-level one, the first word outside its
+        vocabulary (it has no unknown token, so any other text is refused)."""
+        if self.kind == "word":
+            word = next((w for t in texts for w in t.split() if self.hf.token_to_id(w) is None), None)
+            if word is not None:
+                return CemtoolError(f"the text holds the word {word[:40]!r}, outside the {self.vocab_size:,}-word "
+                                    f"vocabulary of this word-level (grammar) tokenizer",
+                                    hint="a word-level run reads only text in its own words: use data in that "
+                                         "vocabulary, e.g. the run's own source (leave out --data)")
+        return CemtoolError(f"the {self.kind} tokenizer cannot encode the text: {str(e).splitlines()[0][:200]}")
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
