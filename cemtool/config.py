@@ -28,7 +28,7 @@ from cemtool.errors import ConfigError
 SCHEMA_VERSION = 1
 
 # upper bounds of the size fields: far above anything cemtool trains, low enough that no single field can ask for
-# an absurd allocation (whether a whole model fits is checked from the config by ``cemtool.train.check_memory``)
+# an absurd allocation (whether a whole model fits is checked from the config by ``cemtool.memory.check_memory``)
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1 << 12
 MAX_SEQ_LEN = 1 << 20

@@ -156,9 +156,9 @@ def test_pyhessian_with_top_k_0_computes_no_eigenvalues(run_dir):
 
 
 def test_model_too_large_for_fp64_is_one_line(run_dir, monkeypatch):
-    from cemtool.analysis import hessian
+    from cemtool import memory
 
-    monkeypatch.setattr(hessian, "available_memory", lambda device: 1 << 20)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1 << 20)
     res = invoke(run_dir, *QUICK, "--dtype", "fp64")
     assert res.exit_code == 1
     assert "too large" in res.output and "fp64" in res.output and "--dtype fp32" in res.output

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
+from cemtool import memory
 from cemtool.analysis import hessian as hs
 from cemtool.analysis.hessian import (
     DenseOperator,
@@ -331,10 +332,22 @@ def test_bad_input_is_one_clear_error(problem, monkeypatch):
         Objective(model, x[:0], y[:0])
     with pytest.raises(CemtoolError, match="matches no parameter"):
         Objective(model, x, y, params="nope.*")
-    monkeypatch.setattr(hs, "available_memory", lambda device: 10_000)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)
     with pytest.raises(CemtoolError, match="too large.*fp64") as err:
         Objective(model, x, y, dtype="fp64")
     assert "--dtype fp32" in err.value.hint
+
+
+def test_memory_check_honours_a_cgroup_limit(problem, monkeypatch):
+    """The curvature check uses the one available_memory (cemtool.memory), which caps the host's free memory by a
+    container's cgroup limit: a limit below the estimate refuses, with the limit as the memory available."""
+    model, x, y, _, _, _ = problem
+    monkeypatch.setattr(memory, "_cgroup_free", lambda: 4096)
+    assert memory.available_memory(torch.device("cpu")) == 4096
+    with pytest.raises(CemtoolError, match="too large.*0.00 GiB available"):
+        Objective(model, x, y, dtype="fp64")
+    monkeypatch.setattr(memory, "_cgroup_free", lambda: None)  # no limit: the host's free memory, ample here
+    Objective(model, x, y, dtype="fp64").close()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import fnmatch
 import math
-import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,8 @@ from torch import nn
 
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
+from cemtool.memory import available_memory  # the one memory probe and curvature check (cgroup limit included)
+from cemtool.memory import check_curvature_memory as check_memory
 from cemtool.models.layers import attention_impl
 from cemtool.models.lm import lm_loss
 
@@ -98,46 +99,6 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
                                hint=f"use all, layer:N, attn, mlp, embed or a glob on names like {example}")
         chosen |= hit
     return [(n, p) for n, p in named if n in chosen]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# memory
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes the process can still allocate on ``device`` (None if unknown)."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def memory_estimate(n_model: int, n_subset: int, dtype: torch.dtype, vectors: int) -> int:
-    """Bytes for a curvature run, activations aside: a converted copy of the model, its gradient (with graph)
-    and one HVP (3 x params x itemsize) plus ``vectors`` float64 basis vectors of the subset."""
-    item = torch.empty((), dtype=dtype).element_size()
-    return 3 * n_model * item + (vectors + 4) * n_subset * 8
-
-
-def check_memory(model: nn.Module, n_subset: int, dtype: torch.dtype, device: torch.device, vectors: int) -> None:
-    n_model = sum(p.numel() for p in model.parameters())
-    need = memory_estimate(n_model, n_subset, dtype, vectors)
-    have = available_memory(device)
-    if have is not None and need > 0.8 * have:
-        name = "fp64" if dtype == torch.float64 else "fp32"
-        raise CemtoolError(f"model too large for {device.type} memory at {name}: about {need / 2**30:.2f} GiB "
-                           f"needed for {n_model:,} parameters and {vectors} Lanczos vectors, "
-                           f"{have / 2**30:.2f} GiB available",
-                           hint="use --dtype fp32, restrict --params (e.g. layer:0), or lower --lanczos-steps")
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cemtool.errors import CemtoolError
+from cemtool.memory import check_memory
 
 FAMILY_MODULES = ["cemtool.models.baseline", "cemtool.models.cem", "cemtool.models.momentum",
                   "cemtool.models.lime", "cemtool.models.allocation"]
@@ -65,7 +66,5 @@ def arch_list(only: list[str] | None = None) -> list[dict]:
 def build_model(cfg):
     """Instantiate the LM for a resolved ModelConfig (vocab_size and max_seq_len set). Refused before anything
     is allocated if its weights cannot fit in the memory available (it is built on the CPU, then moved)."""
-    from cemtool.train import check_memory  # the one memory estimate (cemtool.train imports this module)
-
     check_memory(cfg, "cpu", what="building")
     return get_arch(cfg.arch).build(cfg)
