@@ -150,28 +150,31 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write ``obj`` as strict JSON (RFC 8259, readable by every parser): NaN and ±inf, also inside numpy or torch
-    scalars and arrays, are written as null (see :func:`_json_default`)."""
-    atomic_write_text(path, json.dumps(_json_default(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
+    scalars and arrays, are written as null (see :func:`to_json_value`)."""
+    atomic_write_text(path, json.dumps(to_json_value(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-def _json_default(o: Any) -> Any:
+def to_json_value(o: Any, unknown_as_str: bool = False) -> Any:
     """``o`` as plain JSON values (dict, list, str, int, finite float, bool, None), recursively: numpy/torch
     scalars and arrays become Python numbers and lists, tuples lists, paths strings, and every non-finite float
-    None. Also usable as ``json.dumps(default=...)``; other types raise TypeError."""
+    None. Other types raise TypeError, or become their ``str`` with ``unknown_as_str`` (what the console prints).
+    The one JSON sanitiser (reports, metrics, the console); also usable as ``json.dumps(default=...)``."""
     if o is None or isinstance(o, (str, bool, int)):
         return o
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
-        return {k: _json_default(v) for k, v in o.items()}
+        return {k: to_json_value(v, unknown_as_str) for k, v in o.items()}
     if isinstance(o, (list, tuple)):
-        return [_json_default(v) for v in o]
+        return [to_json_value(v, unknown_as_str) for v in o]
     if isinstance(o, Path):
         return str(o)
     if hasattr(o, "tolist"):  # numpy / torch scalars and arrays (a 0-d array's tolist() is a scalar)
-        return _json_default(o.tolist())
+        return to_json_value(o.tolist(), unknown_as_str)
     if hasattr(o, "item"):
-        return _json_default(o.item())
+        return to_json_value(o.item(), unknown_as_str)
+    if unknown_as_str:
+        return str(o)
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
@@ -383,7 +386,7 @@ class Run:
 
     def append_metrics(self, row: dict) -> None:
         p = self.path / "metrics.jsonl"
-        line = (json.dumps(_json_default(row), allow_nan=False) + "\n").encode("utf-8")  # strict: NaN -> null
+        line = (json.dumps(to_json_value(row), allow_nan=False) + "\n").encode("utf-8")  # strict: NaN -> null
         try:
             fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:
@@ -401,7 +404,7 @@ class Run:
     def truncate_metrics(self, step: int) -> None:
         """Drop metric lines after ``step`` (a resumed run re-logs them)."""
         rows = [r for r in self.metrics() if r.get("step", 0) <= step]
-        text = "".join(json.dumps(_json_default(r), allow_nan=False) + "\n" for r in rows)
+        text = "".join(json.dumps(to_json_value(r), allow_nan=False) + "\n" for r in rows)
         atomic_write_text(self.path / "metrics.jsonl", text)
 
     def write_report(self, name: str, obj: Any) -> Path:

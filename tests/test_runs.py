@@ -167,6 +167,26 @@ def test_console_json_is_strict(capsys):
     assert out == {"a": None, "b": [1.0, None], "c": 2.0, "p": "x"}
 
 
+
+def test_one_json_sanitiser_for_reports_and_console(capsys, tmp_path):
+    """to_json_value is the one sanitiser: reports refuse unknown types, the console prints them as strings; both
+    give the same strict JSON for numbers, arrays, tensors, paths and non-finite floats."""
+    import numpy as np
+    import torch
+
+    from cemtool.cli.console import print_json
+    from cemtool.runs import to_json_value
+
+    obj = {"x": (np.float64("-inf"), torch.tensor([0.5, float("nan")])), "p": tmp_path, "n": np.int64(3)}
+    plain = {"x": [None, [0.5, None]], "p": str(tmp_path), "n": 3}
+    assert to_json_value(obj) == plain
+    assert json.loads(json.dumps(to_json_value(obj), allow_nan=False)) == plain  # strict round trip
+    with pytest.raises(TypeError, match="not JSON serialisable: set"):
+        to_json_value({"s": {1}})
+    assert to_json_value({"s": {1}}, unknown_as_str=True) == {"s": "{1}"}
+    print_json({**obj, "s": {1}})
+    assert json.loads(capsys.readouterr().out, parse_constant=_raise) == {**plain, "s": "{1}"}
+
 def test_a_file_is_not_a_run_directory(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x")

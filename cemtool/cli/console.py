@@ -49,12 +49,11 @@ def result(msg: str) -> None:
 
 
 def print_json(obj: Any) -> None:
-    """``obj`` as strict JSON on stdout: objects JSON does not know become strings, NaN and ±inf become null."""
-    def default(o: Any) -> Any:  # numpy/torch values as numbers and lists, anything else as its string
-        return o.tolist() if hasattr(o, "tolist") else str(o)
+    """``obj`` as strict JSON on stdout: numpy/torch values as numbers and lists, NaN and ±inf as null, objects
+    JSON does not know as their string (:func:`cemtool.runs.to_json_value`)."""
+    from cemtool.runs import to_json_value  # imported here: the console is loaded by every command
 
-    plain = json.loads(json.dumps(obj, default=default), parse_constant=lambda _: None)  # NaN, Infinity -> None
-    sys.stdout.write(json.dumps(plain, indent=2, allow_nan=False) + "\n")
+    sys.stdout.write(json.dumps(to_json_value(obj, unknown_as_str=True), indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 

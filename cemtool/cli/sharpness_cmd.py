@@ -176,7 +176,7 @@ def sharpness(
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
     from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
     from cemtool.distributed import check_same_device, init_distributed
-    from cemtool.runs import _json_default, load_run, safe_name
+    from cemtool.runs import load_run, safe_name, to_json_value
     from cemtool.train import pick_device
 
     if backend not in ("cemtool", "pyhessian"):
@@ -238,7 +238,7 @@ def sharpness(
 
         figures = plot_sharpness(payload, loaded.run.plots, prefix=report_name)
     if json_:
-        console.print_json(_json_default(payload))  # strict JSON: null for non-finite numbers, as in the report
+        console.print_json(to_json_value(payload))  # strict JSON: null for non-finite numbers, as in the report
         return
     console.table(f"sharpness of {arch} ({rep.n_params:,} of {rep.n_model_params:,} parameters: {params}) on "
                   f"N = {rep.tokens:,} tokens", ["quantity", "value", "notes"], _summary(rep, where))
@@ -258,7 +258,7 @@ def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_
     from cemtool.analysis.pyhessian_backend import run_pyhessian
     from cemtool.analysis.sharpness import tokens_note
     from cemtool.report import provenance, write_report
-    from cemtool.runs import _json_default, read_json
+    from cemtool.runs import read_json, to_json_value
 
     steps = tuple(s for s, on in (("eigenvalues", top_k > 0), ("trace", trace_hvps > 0),
                                   ("density", density_runs > 0)) if on)  # a budget of 0 skips, as with cemtool
@@ -284,7 +284,7 @@ def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_
                      "hvps": res.trace_hvps, "seconds": res.trace_seconds, "tokens": res.tokens, "seed": seed})
     paths = write_report(loaded.run.reports, name, payload, rows)
     if json_:
-        console.print_json(_json_default(payload))
+        console.print_json(to_json_value(payload))
         return
     ours = None
     mine = loaded.run.reports / ("sharpness.json" if params == "all" else f"sharpness-{_slug(params)}.json")
