@@ -190,6 +190,13 @@ def test_too_few_windows_for_the_processes_refused_at_config_time(text_file, mon
     assert _setup(text_file, ["train.curvature_every=5", "train.curvature_tokens=48"])[0].train.curvature_tokens == 48
 
 
+def test_fewer_tokens_than_one_window_refused_not_rounded_up(text_file):
+    """train.curvature_tokens=10 with data.seq_len=16 was measured on one 16-token window without a word."""
+    with pytest.raises(CemtoolError, match=r"curvature_tokens=10 is less than one window of data.seq_len=16"):
+        _setup(text_file, ["train.curvature_every=5", "train.curvature_tokens=10"])
+    assert _setup(text_file, ["train.curvature_every=0", "train.curvature_tokens=10"])[0].train.curvature_tokens == 10
+
+
 def test_fine_tunes_do_not_inherit_curvature_tracking(text_file):
     from cemtool.forgetting import REFERENCE, finetune_config
 

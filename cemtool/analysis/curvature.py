@@ -213,7 +213,11 @@ def check_run_config(cfg) -> None:
     t = cfg.train
     if not t.curvature_every:
         return
-    world, windows = int(os.environ.get("WORLD_SIZE", "1")), max(1, t.curvature_tokens // cfg.data.seq_len)
+    if t.curvature_tokens < cfg.data.seq_len:  # the batch is whole windows: fewer tokens would silently become one
+        raise CemtoolError(f"train.curvature_tokens={t.curvature_tokens} is less than one window of "
+                           f"data.seq_len={cfg.data.seq_len} tokens",
+                           hint=f"set train.curvature_tokens to at least {cfg.data.seq_len} (whole windows are used)")
+    world, windows = int(os.environ.get("WORLD_SIZE", "1")), t.curvature_tokens // cfg.data.seq_len
     if windows < world:
         raise CemtoolError(f"train.curvature_tokens={t.curvature_tokens} makes {windows} window(s) of "
                            f"data.seq_len={cfg.data.seq_len} tokens for {world} processes: every rank needs one",
