@@ -361,6 +361,21 @@ def sharpness_report(tokens: int, lmax: float, **options) -> dict:
             "eigen": {"top": [lmax], "bottom": [-lmax / 10]}, "traces": []}
 
 
+
+def test_no_top_eigenvalues_gives_null_lambda_max_not_a_ritz_value(tmp_path, no_compute):
+    """A sharpness report measured with --top-k 0 (bottom eigenvalues only) has Ritz values but no λ_max: compare
+    shows null and says why, rather than the largest (unconverged) Ritz value; λ_min is still read."""
+    for seed in range(2):
+        d = fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0)
+        rep = sharpness_report(1024, 1.0, top_k=0)
+        rep["eigen"] = {"top": [], "bottom": [-0.5], "ritz_values": [-0.5, 0.3, 7.0], "bottom_converged": [True]}
+        (d / "reports" / "sharpness.json").write_text(json.dumps(rep))
+    p = compare([tmp_path])
+    assert [r["lambda_max"] for r in p["runs"]] == [None, None]
+    assert [r["lambda_min"] for r in p["runs"]] == [-0.5, -0.5]
+    assert any("λ_max is null for 2 run(s)" in n and "--top-k 0" in n for n in p["notes"])
+    assert not any("λ_min is null" in n for n in p["notes"])
+
 def test_named_reports_and_mismatched_settings(tmp_path, no_compute):
     """compare reads the named report asked for, lists the others, and flags (or with strict refuses) reports
     measured with different settings; device and batch size do not count."""

@@ -192,14 +192,16 @@ def run_compute(cfg: RunConfig) -> dict:
 
 
 def sharpness_fields(report: dict) -> dict:
-    """λ_max, λ_min and tr(H)/n (first trace estimate) of a sharpness report (cemtool backend)."""
+    """λ_max, λ_min and tr(H)/n (first trace estimate) of a sharpness report (cemtool backend). λ_max (λ_min) is
+    null when the report has no top (bottom) eigenvalues (``--top-k 0``): an unchecked extreme Ritz value is not
+    the eigenvalue, only a bound on it."""
     eig = report.get("eigen") or {}
-    top, bottom, ritz = eig.get("top") or [], eig.get("bottom") or [], eig.get("ritz_values") or []
+    top, bottom = eig.get("top") or [], eig.get("bottom") or []
     traces = report.get("traces") or []
     t = traces[0] if traces else {}
     flags = (eig.get("top_converged") or [])[:1] + (eig.get("bottom_converged") or [])[:1]
-    return {"lambda_max": top[0] if top else (max(ritz) if ritz else None),
-            "lambda_min": bottom[0] if bottom else (min(ritz) if ritz else None),
+    return {"lambda_max": top[0] if top else None,
+            "lambda_min": bottom[0] if bottom else None,
             "lambda_converged": all(flags) if flags else None,
             "trace_per_param": t.get("per_param"), "trace_per_param_se": t.get("per_param_se"),
             "sharpness_tokens": report.get("tokens")}
@@ -473,6 +475,11 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     if loose:
         notes.append(f"λ_max or λ_min did not converge (Lanczos) for {len(loose)} run(s): {', '.join(loose)}; "
                      f"raise the sharpness --lanczos-steps")
+    for key, name, flag in (("lambda_max", "λ_max", "--top-k"), ("lambda_min", "λ_min", "--bottom-k")):
+        unknown = [Path(r["run"]).name for r in records if r["reports"]["sharpness"] and r.get(key) is None]
+        if unknown:
+            notes.append(f"{name} is null for {len(unknown)} run(s) whose sharpness report has no such eigenvalue "
+                         f"(measured with {flag} 0): {', '.join(unknown)}")
     labels = list(dict.fromkeys(r["label"] for r in records))
     archs = []
     for label in labels:
