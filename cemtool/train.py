@@ -269,7 +269,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
                   tokens=tokens_seen)
             if tracker is not None and step % tc.curvature_every == 0:  # every rank (data-parallel HVPs)
-                row = {**tracker.measure(model, opt, step=step, lr=lr_at(step, steps_total, tc), beta1=tc.beta1),
+                row = {**tracker.measure(model, opt, step=step, lr=lr_at(step, steps_total, tc), beta1=tc.beta1,
+                                         optimizer_name=tc.optimizer),
                        "tokens": tokens_seen}
                 if writer is not None:
                     writer.append_metrics(row)

@@ -72,7 +72,7 @@ def test_rows_hold_lambda_max_trace_precond_and_thresholds(tracked):
     assert [r["step"] for r in rows] == [10, 20]
     for r in rows:
         assert r["lambda_max"] > 0 and r["lanczos_steps"] <= 16 and r["trace_hvps"] == 4
-        assert r["threshold_2_over_lr"] == pytest.approx(2 / r["lr"])
+        assert r["threshold_2_over_lr"] == pytest.approx(2 / r["lr"]) and "threshold_note" not in r
         assert r["threshold_adaptive"] == pytest.approx(38 / r["lr"])  # β1 = 0.9
         assert r["lambda_max_precond"] > r["lambda_max"]  # Adam divides by sqrt(v) << 1 on this model
         assert r["curvature_tokens"] == 32 and r["curvature_seconds"] > 0
@@ -82,6 +82,17 @@ def test_rows_hold_lambda_max_trace_precond_and_thresholds(tracked):
     line = curvature_line({**rows[-1], "trace": None})
     assert line.startswith("step     20  λ_max ") and "(2/η " in line and "λ_max(P⁻¹H)" in line and "tr(H) n/a" in line
 
+
+
+def test_muon_rows_have_no_2_over_lr_threshold(tmp_path, text_file):
+    """Under train.optimizer=muon the 2/η row would use AdamW's base rate, which is not Muon's stability threshold:
+    it is null, with a note, while λ_max is still measured (adamw rows keep 2/η: the test above)."""
+    run = _train(tmp_path / "muon", text_file, ["train.max_steps=2", "train.curvature_every=2",
+                                                "train.curvature_tokens=32", "train.curvature_steps=4",
+                                                "train.optimizer=muon"])
+    rows = _rows(run, "curvature")
+    assert rows and all(r["threshold_2_over_lr"] is None and "muon" in r["threshold_note"] for r in rows)
+    assert all(r["lambda_max"] > 0 and r["lr"] > 0 for r in rows)
 
 def test_tracked_lambda_max_equals_sharpness_on_the_checkpoint(tracked):
     """What must be shown: `cemtool sharpness` on the saved checkpoint and the same batch (the first 32 validation

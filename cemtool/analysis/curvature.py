@@ -144,14 +144,21 @@ class CurvatureTracker:
 
     # -- one measurement ----------------------------------------------------------------------------------------
 
-    def measure(self, model: nn.Module, optimizer=None, *, step: int, lr: float, beta1: float = 0.9) -> dict:
+    def measure(self, model: nn.Module, optimizer=None, *, step: int, lr: float, beta1: float = 0.9,
+                optimizer_name: str = "adamw") -> dict:
         """One metrics row: λ_max (+ convergence, steps), tr(H) ± SE, λ_max(P^{-1}H), the learning rate η of
         the next update and the thresholds 2/η and (2 + 2 β1)/((1 - β1) η), and the seconds it took. Non-finite
-        values are null. The model is left exactly as it was (weights, mode, requires_grad)."""
+        values are null. ``optimizer_name`` (train.optimizer): under muon 2/η is null, with a ``threshold_note``,
+        since η (AdamW's base rate) does not set Muon's stability threshold. The model is left exactly as it was
+        (weights, mode, requires_grad)."""
         t0 = time.perf_counter()
         seed = (int(self.seed) << 32) + int(step)  # < 2^64: seed < 2^32, step < 2^32
         row: dict = {"kind": "curvature", "step": step, "lr": lr, "threshold_2_over_lr": threshold_gd(lr),
                      "curvature_tokens": int(self.y.numel())}
+        if optimizer_name == "muon":
+            row.update(threshold_2_over_lr=None,
+                       threshold_note="train.optimizer=muon: 2/η of AdamW's base rate is not Muon's stability "
+                                      "threshold (the blocks' matrices take orthogonalized steps at train.muon_lr)")
         if self.precond:
             row["threshold_adaptive"] = threshold_adam(lr, beta1)
         named = select_parameters(model, self.params)
