@@ -3,10 +3,12 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+from cemtool.errors import CemtoolError
 
 from conftest import train_tiny
 
@@ -75,6 +77,20 @@ def test_bad_input(runs, tmp_path):
     assert res.exit_code == 1 and "fewer than one window" in res.output
     res = r.invoke(app, ["collapse-report"])
     assert res.exit_code == 2
+
+
+def test_empty_words_are_refused_not_replaced_by_the_defaults(tmp_path):
+    from cemtool.analysis.collapse import probe_classes
+    from cemtool.data.tokenizer import word_tokenizer
+
+    for words in ["", " ", ",", " , "]:
+        res = CliRunner().invoke(app, ["collapse-report", str(tmp_path / "nope"), "--words", words])
+        assert res.exit_code == 2 and "--words" in res.output and "is empty" in res.output, res.output
+    tok, x = word_tokenizer(["is", "are", "was", "were"]), np.zeros((2, 8), dtype=np.int64)
+    with pytest.raises(CemtoolError, match="at least 2 words"):
+        probe_classes(tok, x, words=[])
+    with pytest.raises(CemtoolError, match="are empty or hold spaces"):  # what --words "is,,are" passes now
+        probe_classes(tok, x, words=["is", "", "are"])
 
 
 def test_named_reports_keep_each_setting(runs):

@@ -341,7 +341,7 @@ def probe_classes(tokenizer, tokens: np.ndarray | torch.Tensor, words: Sequence[
     counts = _whole_word_counts(t, set(continues), vocab_size)
     count = lambda i: int(counts[i]) if i is not None and i < len(counts) else 0  # noqa: E731
 
-    if words:
+    if words is not None:  # an empty list is refused, never taken as "the default words"
         if len(words) < 2:
             raise CemtoolError("the probe needs at least 2 words")
         bad = [w for w in words if not w or any(ch.isspace() for ch in w)]

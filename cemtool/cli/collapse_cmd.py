@@ -130,7 +130,10 @@ def collapse_report_cmd(
         raise typer.BadParameter(f"{per_class} is below --min-per-class {min_per_class}", param_hint="--per-class")
     if seq_len is not None and seq_len < 2:
         raise typer.BadParameter(f"{seq_len} is below the minimum 2", param_hint="--seq-len")
-    word_list = [w.strip() for w in words.split(",") if w.strip()] if words else None
+    if words is not None and not words.strip(" ,"):
+        raise typer.BadParameter("is empty: give at least 2 comma-separated words, or leave --words out for the "
+                                 "default words", param_hint="--words")
+    word_list = [w.strip() for w in words.split(",")] if words is not None else None  # an empty word is refused
     taken: set[str] = set()
     labels = [_label(p, taken) for p in runs]
     options = {"checkpoint": checkpoint, "data": data, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
