@@ -248,8 +248,24 @@ def now() -> str:
 # the run
 
 
-def is_run(path: Path) -> bool:
-    return (Path(path) / "config.json").is_file() or (Path(path) / "meta.json").is_file()
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face model directory: a config.json with ``model_type`` and no ``schema_version``, no meta.json."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file() or (Path(path) / "meta.json").is_file():
+        return False
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "model_type" in data and "schema_version" not in data
+
+
+def is_run(path: str | Path) -> bool:
+    """A cemtool run directory: meta.json, or a config.json that is not a Hugging Face model's (a damaged
+    config.json still marks a run, whose reading then says what is wrong). The one run detector: JSON only, no
+    torch, so ``cemtool plot`` uses it too."""
+    p = Path(path)
+    return (p / "meta.json").is_file() or ((p / "config.json").is_file() and not is_hf_dir(p))
 
 
 RUN_SUBDIRS = ("checkpoints", "reports", "plots")
@@ -502,7 +518,8 @@ def open_run(path: str | Path, *, lock: bool = False) -> Run:
     if not path.is_dir():
         raise CemtoolError(f"run directory {path} does not exist")
     if not is_run(path):
-        raise CemtoolError(f"{path} is not a cemtool run (no config.json)")
+        raise CemtoolError(f"{path} is not a cemtool run ("
+                           f"{'a Hugging Face model directory' if is_hf_dir(path) else 'no config.json'})")
     run = Run(path)
     if lock:
         run.lock()
@@ -813,7 +830,8 @@ def load_run(path: str | Path, checkpoint: str | int = "final", device: str | to
              data: str | None = None) -> LoadedRun:
     """Model (eval mode), config and tokenizer of a run: what every analysis command starts from. ``path`` may also
     be a Hugging Face model directory or ``hf:ORG/NAME[@REVISION]`` (:mod:`cemtool.foreign`: the same LoadedRun,
-    evaluated on ``data``, default pydoc). ``data``: evaluation data instead of the run's own (its tokenizer)."""
+    evaluated on ``data``, default pydoc or an exported run's own data). ``data``: evaluation data instead of the run's
+    own (its tokenizer)."""
     from cemtool.data.tokenizer import load_tokenizer
     from cemtool.foreign import is_foreign, load_foreign
     from cemtool.models.registry import build_model
@@ -844,7 +862,7 @@ def list_runs(root: str | Path) -> list[dict]:
     root = Path(root)
     if not root.exists():
         raise CemtoolError(f"{root} does not exist")
-    found = [root] if is_run(root) else sorted({p.parent for p in root.rglob("config.json")})
+    found = [root] if is_run(root) else sorted({p.parent for p in root.rglob("config.json") if is_run(p.parent)})
     rows = []
     for p in found:
         run = Run(p)

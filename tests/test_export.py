@@ -178,3 +178,50 @@ def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, exported)
         lines = one_line_error(res, 1, *words)
         assert lines[0].startswith("Error: ")
         assert sorted(p.relative_to(out) for p in out.rglob("*")) == before  # nothing written
+
+
+LAMBDA_OPTS = ["--tokens", "128", "--trace-hvps", "0", "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0",
+               "--avg-rho", "0", "--top-k", "1", "--bottom-k", "0", "--tol", "1e-9", "--json", "--no-plots"]
+
+
+def test_exported_grammar_run_is_analysed_on_its_own_data(tmp_path):
+    """A run on the default grammar corpus (word tokenizer): its export is evaluated on the run's own data when no
+    --data is given (pydoc would not encode), with the run's λ_max, and still reads the grammar corpora by name."""
+    run = train_tiny(tmp_path / "run", extra=["train.max_steps=2", "train.eval_every=2", "data.train_tokens=1000",
+                                            "data.val_tokens=1024"])
+    assert export(run, tmp_path / "hf").exit_code == 0
+    record = json.loads((tmp_path / "hf" / "cemtool_export.json").read_text())
+    assert record["data"]["source"] == "grammar" and record["tokenizer_kind"] == "word"
+    assert transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")) is not None  # still loads
+    lam = []
+    for args in ([run], [str(tmp_path / "hf")], [str(tmp_path / "hf"), "--data", "grammar"]):
+        res = runner.invoke(app, ["sharpness", *args, *LAMBDA_OPTS])
+        assert res.exit_code == 0, res.output
+        lam.append(json.loads(res.stdout)["eigen"]["top"][0])
+    assert max(abs(v - lam[0]) for v in lam) <= 1e-5 * abs(lam[0]), lam
+
+
+def test_export_refuses_a_target_inside_a_run(tmp_path, tied_run):
+    from pathlib import Path
+
+    for target in (Path(tied_run) / "reports" / "hf", Path(tied_run) / "plots"):
+        one_line_error(export(tied_run, target), 1, "lies inside", "a cemtool run")
+        assert not (Path(tied_run) / "reports" / "hf").exists()
+
+
+def test_plot_and_runs_tell_a_model_directory_from_a_run(tmp_path, exported, tied_run):
+    """An exported (Hugging Face) directory is no run: plot refuses it in one line and writes nothing (it wrote a
+    report.md of None), runs skips it beside a real run (it listed it as unreadable)."""
+    import shutil
+
+    hf = tmp_path / "folder" / "hf"
+    shutil.copytree(exported[0], hf)
+    before = sorted(p.relative_to(hf) for p in hf.rglob("*"))
+    lines = one_line_error(runner.invoke(app, ["plot", str(hf)]), 1, "is a Hugging Face model directory")
+    assert lines[0].startswith("Error: ")
+    assert sorted(p.relative_to(hf) for p in hf.rglob("*")) == before
+    shutil.copytree(tied_run, tmp_path / "folder" / "run", ignore=shutil.ignore_patterns("checkpoints"))
+    res = runner.invoke(app, ["runs", str(tmp_path / "folder"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert [r["run"] for r in json.loads(res.stdout)] == [str(tmp_path / "folder" / "run")]
+    assert json.loads(runner.invoke(app, ["runs", str(hf), "--json"]).stdout) == []

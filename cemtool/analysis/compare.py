@@ -275,7 +275,7 @@ class _Finder:
         if is_run(path):
             self.add_run(path)
             return
-        found = sorted({p.parent for p in path.rglob("config.json")})
+        found = sorted({p.parent for p in path.rglob("config.json") if is_run(p.parent)})
         if not found:
             raise CemtoolError(f"{path} holds no runs and no study.json")
         for p in found:

@@ -29,7 +29,7 @@ def plot(
     (the figures with their numbers). Reads metrics.jsonl, config.json, meta.json and reports/*.json only: it works
     on a run whose checkpoints were deleted, and never loads a model."""
     from cemtool.plots.render import render_all, render_sweep
-    from cemtool.plots.training import is_run_dir
+    from cemtool.runs import is_hf_dir, is_run
 
     problems: list[str] = []
     if len(paths) == 1:
@@ -44,13 +44,15 @@ def plot(
         for p in paths:
             if not p.is_dir():
                 raise CemtoolError(f"{p} does not exist or is not a directory")
-            if not is_run_dir(p):
-                raise CemtoolError(f"{p} is not a cemtool run (no config.json)",
+            if not is_run(p):
+                what = "a Hugging Face model directory" if is_hf_dir(p) else "no config.json"
+                raise CemtoolError(f"{p} is not a cemtool run ({what})",
                                    hint="several paths must be runs; plot a sweep folder on its own")
         if out.exists() and not out.is_dir():
             raise CemtoolError(f"--out {out} exists and is not a directory")
-        if is_run_dir(out):
-            raise CemtoolError(f"--out {out} is a run directory", hint="choose a new folder for the combined report")
+        if is_run(out) or is_hf_dir(out):
+            raise CemtoolError(f"--out {out} is a run or model directory",
+                               hint="choose a new folder for the combined report")
         out.mkdir(parents=True, exist_ok=True)
         written = render_sweep(out, list(paths), each_run=each_run, problems=problems,
                                title=f"Comparison of {len(paths)} runs")

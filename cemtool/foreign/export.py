@@ -27,7 +27,9 @@ config, and mixtures (RoPE with LayerNorm, ...) and every other family have no s
 refused by one line naming what stands in the way.
 
 The directory holds config.json, model.safetensors (fp32, metadata naming the run and step) and, from the run's
-tokenizer, tokenizer.json and tokenizer_config.json (``PreTrainedTokenizerFast``). Before it returns, the export
+tokenizer, tokenizer.json and tokenizer_config.json (``PreTrainedTokenizerFast``), and cemtool_export.json: the
+run's data section and tokenizer kind, so that ``cemtool sharpness DIR`` (any analysis) evaluates on the run's own
+data when no --data is given, and a word-level run still reads the grammar corpora. Before it returns, the export
 loads the directory with ``AutoModelForCausalLM.from_pretrained`` and compares its logits with the run's on random
 sequences (fp32: max |difference| <= 1e-5 max(1, max |logit|), float rounding of an exact mapping); on a mismatch
 it removes what it wrote and fails.
@@ -40,11 +42,13 @@ from pathlib import Path
 
 import torch
 
+from cemtool.config import to_dict
 from cemtool.errors import CemtoolError
+from cemtool.foreign.loader import EXPORT_FILE
 from cemtool.runs import atomic_write_bytes, atomic_write_json, is_run, load_run
 
 TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32
-WRITES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+WRITES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", EXPORT_FILE)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".index.json")
 
 
@@ -193,12 +197,13 @@ TARGETS = {"LlamaForCausalLM": (llama_config, llama_state_dict), "GPT2LMHeadMode
 
 
 def _check_target(out: Path, run_path: Path, force: bool) -> None:
-    from cemtool.foreign.loader import is_hf_dir
-
     if out.exists() and not out.is_dir():
         raise CemtoolError(f"export target {out} exists and is not a directory")
-    if out.resolve() == run_path.resolve() or (is_run(out) and not is_hf_dir(out)):
-        raise CemtoolError(f"export target {out} is a cemtool run", hint="choose another directory")
+    for d in (out.resolve(), *out.resolve().parents):  # inside a run, the export would be taken for part of it
+        if d == run_path.resolve() or is_run(d):
+            where = "is" if d == out.resolve() else f"lies inside {d}, which is"
+            raise CemtoolError(f"export target {out} {where} a cemtool run",
+                               hint="choose a directory outside every run")
     present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if present and not force:
         raise CemtoolError(f"export target {out} is not empty", hint="choose an empty or new directory, or --force "
@@ -216,6 +221,14 @@ def _write_tokenizer(loaded, out: Path) -> list[str]:
                                                       "model_max_length": loaded.config.model.max_seq_len,
                                                       "clean_up_tokenization_spaces": False})
     return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def export_record(loaded) -> dict:
+    """What an analysis of the exported directory needs from the run: its data section (the default evaluation
+    data) and its tokenizer's kind (a word-level one reads the grammar corpora)."""
+    return {"run": str(loaded.run.path.resolve()), "checkpoint": loaded.checkpoint.name, "step": loaded.step,
+            "arch": loaded.config.model.arch, "tokenizer_kind": loaded.tokenizer.kind,
+            "data": to_dict(loaded.config.data)}
 
 
 @torch.no_grad()
@@ -260,6 +273,8 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
         atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=meta))
         written.append("model.safetensors")
         written += _write_tokenizer(loaded, out)
+        atomic_write_json(out / EXPORT_FILE, export_record(loaded))
+        written.append(EXPORT_FILE)
         diff, scale = logits_difference(model, out, target)
         if not diff <= TOLERANCE * max(1.0, scale):
             raise CemtoolError(f"the exported model's logits differ from the run's by {diff:.3g} (max |logit| "

@@ -22,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from cemtool.errors import CemtoolError
+from cemtool.runs import is_hf_dir  # the one detector of run and model directories (re-exported here)
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
 TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
+EXPORT_FILE = "cemtool_export.json"  # written by cemtool export: the run's data section and tokenizer kind
 SOURCE_FILE = "model_source.json"  # written beside the reports: what was loaded (read by report.provenance)
 _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name -> transformers config
 
@@ -36,18 +38,6 @@ def family_adapters() -> dict:
     from cemtool.foreign.llama import LlamaLike
 
     return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike()) for t in fam.model_types}
-
-
-def is_hf_dir(path: Path) -> bool:
-    """A directory with a transformers config.json (``model_type``), not a cemtool run."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file() or (Path(path) / "meta.json").is_file():
-        return False
-    try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "model_type" in data and "schema_version" not in data
 
 
 def is_foreign(source: str | Path) -> bool:
@@ -149,14 +139,15 @@ def load_hf_model(path: Path, config):
     return model.float().eval()
 
 
-def load_hf_tokenizer(path: Path):
-    """The model's own tokenizer as a cemtool Tokenizer (kind 'hf')."""
+def load_hf_tokenizer(path: Path, kind: str = "hf"):
+    """The model's own tokenizer as a cemtool Tokenizer (kind 'hf'; an exported run's tokenizer.json keeps the
+    run's kind)."""
     from tokenizers import Tokenizer as Fast
 
     from cemtool.data.tokenizer import Tokenizer
 
     if (path / "tokenizer.json").is_file():
-        return Tokenizer(Fast.from_file(str(path / "tokenizer.json")), "hf")
+        return Tokenizer(Fast.from_file(str(path / "tokenizer.json")), kind)
     transformers = _transformers()
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
@@ -234,14 +225,44 @@ def build_foreign(cfg):
     return ForeignLM(hf, family_adapters()[config.model_type], arch=cfg.arch)
 
 
+def read_export(path: Path) -> dict | None:
+    """The record ``cemtool export`` writes beside the model (:data:`EXPORT_FILE`), None for other models."""
+    from cemtool.runs import read_json
+
+    f = path / EXPORT_FILE
+    if not f.is_file():
+        return None
+    rec = read_json(f, "export record")
+    if not isinstance(rec, dict) or not isinstance(rec.get("data"), dict) or \
+            not isinstance(rec.get("tokenizer_kind", "hf"), str):
+        raise CemtoolError(f"{f} is not an export record (a JSON object with a 'data' section)",
+                           hint="export the run again, or remove the file to analyse the model as any other")
+    return rec
+
+
+def eval_data(record: dict | None, data: str | None, seq_len: int | None, max_seq_len: int):
+    """The evaluation data: ``data`` (default pydoc, or an exported run's own data section, with its source
+    replaced by ``data`` where given) in windows of at most the model's context."""
+    from cemtool.config import DataConfig, from_dict, replace
+
+    if record is None:
+        base = DataConfig(source=data or "pydoc")
+    else:
+        base = from_dict(DataConfig, record["data"], "data.")
+        if data is not None:
+            base = replace(base, source=data)
+    return replace(base, seq_len=min(seq_len or base.seq_len, max_seq_len))
+
+
 def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = None, seq_len: int | None = None,
                  checkpoint: str | int = "final"):
     """A :class:`cemtool.runs.LoadedRun` for a local HF directory or an hf: id: the wrapped model (eval mode), a
-    RunConfig whose data section is ``data`` (default ``pydoc``) read with the model's tokenizer, the tokenizer,
+    RunConfig whose data section is ``data`` (default ``pydoc``, or the run's own for a ``cemtool export``
+    directory: :func:`eval_data`) read with the model's tokenizer, the tokenizer,
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
-    from cemtool.config import DataConfig, RunConfig
+    from cemtool.config import RunConfig
     from cemtool.foreign.adapter import ForeignLM
     from cemtool.runs import LoadedRun, Run, atomic_write_json
 
@@ -265,7 +286,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         raise CemtoolError(f"{spec}: model type {config.model_type!r} has no cemtool adapter",
                            hint=f"supported: {', '.join(sorted(family_adapters()))} (docs/models.md says how to add "
                                 f"one)")
-    tok = load_hf_tokenizer(path)
+    record = read_export(path)
+    tok = load_hf_tokenizer(path, record.get("tokenizer_kind", "hf") if record else "hf")
     hf = load_hf_model(path, config)
     arch = register_arch(config.to_dict())
     model = ForeignLM(hf, fam, arch=arch)
@@ -275,13 +297,12 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                            f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
                            hint="report it with the model's config.json")
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
-    T = min(seq_len or DataConfig().seq_len, model.max_seq_len)
-    cfg = RunConfig(model=model.cfg, data=DataConfig(source=data or "pydoc", seq_len=T))
+    cfg = RunConfig(model=model.cfg, data=eval_data(record, data, seq_len, model.max_seq_len))
     described = {"source": spec, **where, "arch": arch, "model_type": config.model_type,
                  "architectures": list(getattr(config, "architectures", None) or []),
                  "weights": [w.name for w in weights], "transformers": _transformers().__version__,
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
-                 "logits_check": check, "config": config.to_dict()}
+                 "logits_check": check, "config": config.to_dict(), "exported_from": record}
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
     return LoadedRun(model, cfg, tok, run, weights[0], None)

@@ -21,8 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cemtool.errors import CemtoolError
-from cemtool.plots.training import distinguishable, is_run_dir, plot_training, read_json, read_run
+from cemtool.plots.training import distinguishable, plot_training, read_json, read_run
 from cemtool.report import mismatch_text, mismatched_settings, named_reports, report_kind, report_options
+from cemtool.runs import is_hf_dir, is_run
 
 Plotter = Callable[[dict, Path, str], list[Path]]
 
@@ -109,7 +110,7 @@ def find_reports(folder: Path, top_level: bool = False) -> list[Path]:
 
 def find_runs(root: Path) -> list[Path]:
     """Run directories below ``root`` (not runs moved aside by ``--force``: ``<name>.replaced-<time>``)."""
-    runs = {p.parent for p in root.rglob("config.json") if is_run_dir(p.parent)}
+    runs = {p.parent for p in root.rglob("config.json") if is_run(p.parent)}
     return sorted(r for r in runs if ".replaced-" not in str(r.relative_to(root)) and r != root)
 
 
@@ -378,8 +379,11 @@ def render_all(path: str | Path, problems: list[str] | None = None, *, each_run:
         raise CemtoolError(f"{p} does not exist", hint="give a run directory or a folder of runs")
     if not p.is_dir():
         raise CemtoolError(f"{p} is not a directory", hint="give a run directory or a folder of runs")
+    if is_hf_dir(p):
+        raise CemtoolError(f"{p} is a Hugging Face model directory, not a cemtool run: there is nothing to plot",
+                           hint="plot a cemtool run or a folder of runs")
     collected: list[str] = []
-    if is_run_dir(p):
+    if is_run(p):
         written = render_run(p, collected)
     else:
         if not find_runs(p) and not find_reports(p, top_level=True):

@@ -22,7 +22,7 @@ from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
 from cemtool.errors import CemtoolError
 from cemtool.plots.style import arch_color, legend_below, new_figure, save
 from cemtool.report import group_labels, run_settings
-from cemtool.runs import read_json, read_jsonl
+from cemtool.runs import is_hf_dir, is_run, read_json, read_jsonl
 
 FLOOR_COLOR = "k"
 SEED_STYLES = ["-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3))]  # never "--": that is the floor's
@@ -51,16 +51,14 @@ class RunCurves:
         return self.val[-1]["val_loss"] if self.val else self.meta.get("val_loss")
 
 
-def is_run_dir(path: str | Path) -> bool:
-    return (Path(path) / "config.json").is_file()
-
-
 def read_run(path: str | Path) -> RunCurves:
     """Read a run's metrics, meta and config (JSON only)."""
     p = Path(path)
     if not p.is_dir():
         raise CemtoolError(f"run directory {p} does not exist")
-    if not is_run_dir(p):
+    if is_hf_dir(p):
+        raise CemtoolError(f"{p} is a Hugging Face model directory, not a cemtool run: it has no training curves")
+    if not is_run(p):
         raise CemtoolError(f"{p} is not a cemtool run (no config.json)")
     config = read_json(p / "config.json", "config file")
     meta = read_json(p / "meta.json", "run metadata") if (p / "meta.json").exists() else {}
@@ -300,5 +298,5 @@ def plot_training(runs: list[str | Path | RunCurves], plots_dir: str | Path, nam
 
 
 __all__ = ["FLOOR_COLOR", "RunCurves", "SEED_STYLES", "SMOOTH_FRACTION", "distinguishable", "group_runs",
-           "is_run_dir", "label_runs", "line_styles", "plot_training", "plot_training_groups", "read_json", "read_run",
+           "label_runs", "line_styles", "plot_training", "plot_training_groups", "read_json", "read_run",
            "smoothed", "training_figure", "training_groups_figure"]
