@@ -244,9 +244,11 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     plan = Plan(tuple(arch_list), tuple(seed_list), int(tokens), data, tuple(overrides), tuple(chosen), target,
                 options, tuple(grid), arch_overrides, tuned_from)
     names = [it["name"] for it in new_manifest(plan)["items"]]
-    clash = sorted({n for n in names if names.count(n) > 1})
+    folded = [n.casefold() for n in names]  # run folders: one folder on a case-insensitive file system (macOS)
+    clash = sorted({n for n, f in zip(names, folded, strict=True) if folded.count(f) > 1})
     if clash:
-        raise CemtoolError(f"two grid points give the same run name {clash[0]!r}", hint="write the values apart")
+        raise CemtoolError(f"two grid points give the same run name {clash[0]!r} (run folder names are compared "
+                           f"ignoring case)", hint="write the values apart")
     return plan
 
 

@@ -220,6 +220,8 @@ def test_grid_is_the_product_and_names_carry_the_point():
     (["train.lr=1e-3,3e-3"], ["train.lr=1e-2"], "both in --set and in --grid"),
     (["train.nope=1,2"], [], "unknown config key train.nope"),
     (["train.lr=-1,1e-3"], [], "train.lr=-1"),
+    (["data.tokenizer=/x/a/b.json,/x/a_b.json"], [], "give the same run name 'baseline-tokenizer=_x_a_b.json-s0'"),
+    (["data.tokenizer=/x/A.json,/x/a.json"], [], "give the same run name 'baseline-tokenizer=_x_A.json-s0'"),
 ])
 def test_bad_grid_one_line(grid, extra, message, tmp_path):
     args = ["sweep", "--archs", "baseline", *[a for g in grid for a in ("--grid", g)],
