@@ -125,7 +125,7 @@ def refuse_symlinked_dirs(path: Path) -> None:
     directory (``reports/``, ``checkpoints/``, ``plots/`` ...): a planted link would send writes, and checkpoint
     pruning's deletions, outside the run. The run directory itself may be a link."""
     for d in list(Path(path).parents)[:3]:
-        if d.is_symlink() and is_run(d.parent):
+        if d.is_symlink() and (is_run(d.parent) or is_hf_dir(d.parent)):  # a model directory holds reports too
             raise CemtoolError(f"{d} is a symbolic link: cemtool does not follow links inside a run directory",
                                hint="replace the link by a real folder")
 
