@@ -23,6 +23,7 @@ What differs between families (where the projections sit, how q, k and v are pac
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -63,36 +64,44 @@ class Backbone:
     head: nn.Module
 
 
-class Family:
-    """One family of transformers models: where its modules are. Subclasses fill in these methods."""
+class Family(ABC):
+    """One family of transformers models: where its modules are. Each subclass (gpt2.py, gpt_neox.py, llama.py)
+    implements every method below."""
 
     name = "?"
     model_types: tuple[str, ...] = ()
     norm, mlp_kind = "layernorm", "gelu"  # what cemtool's ModelConfig calls the family's norm and MLP
 
+    @abstractmethod
     def backbone(self, hf: nn.Module) -> Backbone:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def shape(self, config) -> Shape:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def attention(self, layer: nn.Module) -> nn.Module:
         """The module whose output is (attention output, probabilities)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def out_proj(self, layer: nn.Module) -> nn.Module:
         """The module whose input is the per-head outputs z (B, T, H d_h)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def mid_norm(self, layer: nn.Module) -> nn.Module | None:
         """The module whose input is the residual stream between attention and MLP (None: parallel residual)."""
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def mlp(self, layer: nn.Module) -> nn.Module:
-        raise NotImplementedError
+        ...
 
+    @abstractmethod
     def projections(self, layer: nn.Module, shape: Shape) -> list[Projection]:
-        raise NotImplementedError
+        ...
 
 
 def rope_order(head_dim: int, rotary_dims: int) -> torch.Tensor:
