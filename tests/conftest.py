@@ -48,3 +48,13 @@ def tiny_run(tmp_path_factory, text_file) -> str:
     """A completed tiny baseline run on a byte-tokenized text file (session-scoped; treat as read-only)."""
     return train_tiny(tmp_path_factory.mktemp("runs") / "tiny", data=text_file,
                       extra=["data.tokenizer=byte", "data.val_fraction=0.1"])
+
+
+def one_line_error(res, *words):
+    """A CLI result that is one clean user error: exit 1, 'Error: ...' (+ an optional 'Hint:' line), no traceback."""
+    assert res.exit_code == 1, res.output
+    lines = [line for line in res.output.strip().splitlines() if line.strip()]
+    assert lines[0].startswith("Error: ") and len(lines) <= 2, res.output  # message (+ hint)
+    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
+    for w in words:
+        assert w in res.output, (w, res.output)

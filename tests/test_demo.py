@@ -9,19 +9,13 @@ from typer.testing import CliRunner
 
 from cemtool.cli.main import app
 
+from conftest import one_line_error
+
 runner = CliRunner()
 
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(res, *words):
-    assert res.exit_code == 1, res.output
-    lines = [line for line in res.output.strip().splitlines() if line.strip()]
-    assert lines[0].startswith("Error: ") and "Traceback" not in res.output, res.output
-    for w in words:
-        assert w in res.output, (w, res.output)
 
 
 @pytest.fixture(scope="module")

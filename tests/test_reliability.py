@@ -30,20 +30,13 @@ from cemtool.runs import (
     step_checkpoints,
 )
 
+from conftest import one_line_error
+
 runner = CliRunner()
 
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(res, *words):
-    assert res.exit_code == 1, res.output
-    lines = [line for line in res.output.strip().splitlines() if line.strip()]
-    assert lines[0].startswith("Error: ") and len(lines) <= 2, res.output  # message (+ hint)
-    assert "Traceback" not in res.output and "internal error" not in res.output, res.output
-    for w in words:
-        assert w in res.output, (w, res.output)
 
 
 def copy_run(tiny_run, tmp_path, status=None) -> Path:
