@@ -29,23 +29,9 @@ import time
 from pathlib import Path
 
 import torch
+from train_throughput import matmul_peak  # benchmarks/ is on sys.path when run as a script
 
 ARCHS = ["baseline", "cem-rec2", "tmm", "lime"]
-
-
-def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, repeats: int = 10) -> float:
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b
-    sync()
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        sync()
-        best = max(best, 2 * n**3 / (time.perf_counter() - t0))
-    return best
 
 
 def cemtool(args: list[str], env: dict | None = None, launcher: list[str] | None = None,
@@ -135,7 +121,7 @@ def main() -> int:
     peak_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     info = {"device": torch.cuda.get_device_name(0) if dev.type == "cuda" else platform.processor() or "cpu",
             "gpus": n_gpu, "torch": torch.__version__, "tiny": args.tiny, "precision": precision}
-    peak = matmul_peak(dev, peak_dtype, 1024 if args.tiny else 8192)
+    peak = matmul_peak(1024 if args.tiny else 8192, device=dev, dtype=peak_dtype)
     info["matmul_peak_tflops"] = peak / 1e12
     failures: list[str] = []
     sizes = size_overrides(args.tiny)

@@ -80,14 +80,20 @@ class RefLM(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def matmul_peak(n: int = 2048, repeats: int = 10) -> float:
-    """Best fp32 matmul FLOP/s over a few large square products."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_peak(n: int = 2048, repeats: int = 10, device: torch.device | None = None,
+                dtype: torch.dtype = torch.float32) -> float:
+    """Best matmul FLOP/s over a few large square products (fp32 on the CPU by default; synchronised on CUDA)."""
+    device = device or torch.device("cpu")
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     a @ b
+    sync()
     best = 0.0
     for _ in range(repeats):
         t0 = time.perf_counter()
         a @ b
+        sync()
         best = max(best, 2 * n**3 / (time.perf_counter() - t0))
     return best
 
