@@ -57,7 +57,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -336,7 +336,29 @@ def _select_arch(arch: str, plan: Plan, items: list[dict]) -> dict:
                            hint="widen the grid towards values that train")
     best = min(eligible, key=lambda p: p["mean_val_loss"])  # the first of equal means
     return {"chosen": best["point"], "overrides": [f"{k}={v}" for k, v in best["point"].items()],
-            "mean_val_loss": best["mean_val_loss"], "points": points}
+            "mean_val_loss": best["mean_val_loss"], "at_edge": grid_edges(plan, best["point"]), "points": points}
+
+
+def grid_edges(plan: Plan, point: dict[str, str]) -> list[str]:
+    """The numeric grid keys (3 or more values) whose chosen value is the grid's smallest or largest: the best
+    value may lie beyond the grid (extend it: the same sweep command with more values keeps every finished run)."""
+    edges = []
+    for key, values in parse_grid(plan.grid):
+        nums = [parse_override(f"{key}={v}") for v in values]
+        nums = [n for n in (_leaf(x) for x in nums) if isinstance(n, (int, float)) and not isinstance(n, bool)]
+        if len(nums) < 3 or len(nums) != len(values) or key not in point:
+            continue
+        chosen = _leaf(parse_override(f"{key}={point[key]}"))
+        if chosen in (min(nums), max(nums)):
+            edges.append(key)
+    return edges
+
+
+def _leaf(tree):
+    """The value of a one-key nested override {'train': {'lr': 0.01}} -> 0.01."""
+    while isinstance(tree, dict) and len(tree) == 1:
+        tree = next(iter(tree.values()))
+    return tree
 
 
 def plan_from_tuning(tuning: str | Path, seeds: str | list, *, archs: str | list | None = None,
@@ -350,6 +372,11 @@ def plan_from_tuning(tuning: str | Path, seeds: str | list, *, archs: str | list
     arch_list = list(tuned.archs) if archs is None else _split_list(archs, "architecture", "architectures")
     selection = select(tuning, arch_list, parse_seeds(seeds))
     notes = []
+    for arch in arch_list:
+        for key in selection["archs"][arch]["at_edge"]:
+            notes.append(f"{arch}: the chosen {key} ({selection['archs'][arch]['chosen'][key]}) is at the edge of "
+                         f"the grid, so a better value may lie beyond it (add values to the tuning study's --grid: "
+                         f"its finished runs are kept)")
     for what, mine, theirs in (("tokens per run", tokens, tuned.tokens), ("data", data, tuned.data),
                                ("--set overrides", None if overrides is None else list(overrides),
                                 list(tuned.overrides))):
@@ -422,6 +449,7 @@ class Study:
         self.path = path
         self.manifest = manifest
         self.plan = Plan.from_dict(manifest["plan"])
+        self.notes: list[str] = []  # what opening it changed (a grid extension), for the caller to say
 
     def save(self) -> None:
         self.manifest["updated"] = now()
@@ -447,9 +475,13 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
             raise CemtoolError(f"{path} is not a study manifest this cemtool understands")
         stored = Plan.from_dict(manifest["plan"])
         if plan is not None and plan != stored:
-            diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
-            raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
-                               hint=f"use another --out, or `cemtool sweep --resume {out}` to continue it as planned")
+            added = grid_extension(stored, plan)
+            if added is None:
+                diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
+                raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
+                                   hint=f"use another --out, or `cemtool sweep --resume {out}` to continue it as "
+                                        f"planned (a --grid may only add values)")
+            return _extend(Study(out, manifest), plan, added)
         return Study(out, manifest)
     if plan is None:
         raise CemtoolError(f"{out} holds no study (no study.json)")
@@ -457,6 +489,50 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
         raise CemtoolError(f"{out} exists and is not a study directory", hint="choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     return Study(out, new_manifest(plan))
+
+
+def _value(key: str, v: str) -> str:
+    """A grid value as parsed (so that 1e-2 and 0.01 are the same value)."""
+    return json.dumps(parse_override(f"{key}={v}"), sort_keys=True)
+
+
+def grid_extension(stored: Plan, plan: Plan) -> dict[str, list[str]] | None:
+    """The values ``plan`` adds to the grid of ``stored`` ({key: [value, ...]}) when it is otherwise the same plan
+    (same grid keys in the same order, every stored value kept); None when it is not such an extension."""
+    if not stored.grid or plan.grid == stored.grid or replace(plan, grid=stored.grid) != stored:
+        return None
+    old, new = parse_grid(stored.grid), parse_grid(plan.grid)
+    if [k for k, _ in old] != [k for k, _ in new]:
+        return None
+    added: dict[str, list[str]] = {}
+    for (key, before), (_, after) in zip(old, new, strict=True):
+        have, given = {_value(key, v) for v in before}, {_value(key, v) for v in after}
+        if not have <= given:
+            return None
+        extra = [v for v in after if _value(key, v) not in have]
+        if extra:
+            added[key] = extra
+    return added or None
+
+
+def _extend(study: Study, plan: Plan, added: dict[str, list[str]]) -> Study:
+    """Extend a grid study in place: the added values' runs are appended (pending), every run already planned is
+    kept, and the extension is recorded in study.json (``extensions``) and said in ``study.notes``. The stored
+    values keep their spelling (the runs' names and points carry it); the added ones follow them."""
+    grid = tuple(f"{k}={','.join(values + added.get(k, []))}" for k, values in parse_grid(study.plan.grid))
+    plan = replace(plan, grid=grid)
+    names = {it["name"] for it in study.manifest["items"]}
+    fresh = [it for it in new_manifest(plan)["items"] if it["name"] not in names]
+    study.manifest["items"] += fresh
+    study.manifest.setdefault("extensions", []).append(
+        {"at": now(), "grid_before": list(study.plan.grid), "grid": list(grid), "added": added,
+         "runs_added": len(fresh)})
+    study.manifest["plan"] = plan.to_dict()
+    study.plan = plan
+    what = "; ".join(f"{k} + {', '.join(v)}" for k, v in added.items())
+    study.notes.append(f"extending the study's grid ({what}): {len(fresh)} new run(s); the {len(names)} planned "
+                       f"before are kept (finished ones are not redone)")
+    return study
 
 
 def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.device | None = None,
@@ -469,6 +545,9 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
     from cemtool.train import pick_device
 
     study = open_study(out, plan)
+    for note in study.notes:
+        if callback is not None:
+            callback({"kind": "note", "item": None, "text": note})
     dev = device if isinstance(device, torch.device) else pick_device(device)
     lock = Run(study.path)  # the run-directory lock, on the study directory
     lock.lock()

@@ -271,6 +271,42 @@ def test_selection_takes_the_lowest_mean_over_tuning_seeds(tmp_path):
     assert [p["seeds"] for p in tmm["points"]] == [[10, 11]] * 3
 
 
+def test_choice_at_the_grid_edge_is_flagged(tmp_path):
+    from cemtool.sweep import plan_from_tuning
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    plan, sel, notes = plan_from_tuning(out, "0")
+    assert sel["archs"]["baseline"]["at_edge"] == []                     # 3e-3: inside the grid
+    assert sel["archs"]["tmm"]["at_edge"] == ["train.lr"]                # 1e-3: the grid's smallest value
+    assert len(notes) == 1 and notes[0].startswith("tmm: the chosen train.lr (1e-3) is at the edge of the grid")
+
+
+def test_extending_a_grid_keeps_every_finished_run(tmp_path):
+    from cemtool.sweep import open_study
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    before = manifest(out)["items"]
+    wider = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE,
+                      grid=["train.lr=0.001,3e-3,1e-2,3e-2"])                # 0.001 is the stored 1e-3
+    study = open_study(out, wider)
+    items = study.manifest["items"]
+    assert items[:len(before)] == before                                  # kept as they were, finished or failed
+    assert [(i["name"], i["status"]) for i in items[len(before):]] == [
+        (f"{a}-lr=3e-2-s{s}", "pending") for s in (10, 11) for a in ("baseline", "tmm")]
+    assert study.plan.grid == ("train.lr=1e-3,3e-3,1e-2,3e-2",)          # the stored spelling stays
+    ext = study.manifest["extensions"][0]
+    assert ext["added"] == {"train.lr": ["3e-2"]} and ext["runs_added"] == 4
+    assert study.notes == ["extending the study's grid (train.lr + 3e-2): 4 new run(s); the 12 planned before are "
+                           "kept (finished ones are not redone)"]
+    for grid in (["train.lr=3e-3,1e-2,3e-2"],                               # drops a value
+                 ["train.lr=1e-3,3e-3,1e-2", "model.mlp=gelu,swiglu"]):     # adds a key
+        with pytest.raises(CemtoolError, match="planned with other settings"):
+            open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=grid))
+    with pytest.raises(CemtoolError, match="planned with other settings"):  # another change beside the grid
+        open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS + 128, overrides=TUNE,
+                                  grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
+
+
 def test_selection_refuses_overlapping_seeds_unfinished_and_plain_studies(tmp_path):
     from cemtool.sweep import open_study, select
 
@@ -328,3 +364,12 @@ def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):
     assert [i["name"] for i in cmp["items"]] == ["baseline-s8"] and cmp["items"][0]["status"] == "completed"
     cfg = json.loads((tmp_path / "cmp" / "baseline-s8" / "config.json").read_text())
     assert cfg["train"]["lr"] == float(best) and cfg["seed"] == 8
+    # the same tuning command with one more value: only the new point trains, the finished runs stay untouched
+    kept = snapshot(*(tune / i["run"] for i in done["items"]))
+    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--seeds", "7", "--tokens", str(TOKENS // 2),
+                                "--grid", "train.lr=1e-4,3e-3,1e-3", *[a for s in TUNE for a in ("--set", s)],
+                                "--out", str(tune), "-q"])
+    assert res.exit_code == 0, res.output
+    assert "Note: extending the study's grid (train.lr + 1e-3): 1 new run(s)" in res.output
+    assert snapshot(*(tune / i["run"] for i in done["items"])) == kept
+    assert [i["status"] for i in manifest(tune)["items"]] == ["completed"] * 3

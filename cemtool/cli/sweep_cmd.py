@@ -36,7 +36,9 @@ class SweepReporter:
 
     def __call__(self, ev: dict) -> None:
         kind, item = ev["kind"], ev["item"]
-        if kind == "item" and ev["status"] == "start":
+        if kind == "note":  # said even with --quiet: the study is not what it was
+            console.info(f"Note: {ev['text']}")
+        elif kind == "item" and ev["status"] == "start":
             self.stage[item] = "train"
             self.line(f"[{ev['index'] + 1}/{ev['total']}] {item}")
         elif kind == "analysis":
@@ -84,7 +86,8 @@ def print_selection(selection: dict, tuning: Path) -> None:
         for p in a["points"]:
             point = " ".join(f"{k}={v}" for k, v in p["point"].items())
             rows.append([arch, point, _fmt(p["mean_val_loss"]), _fmt(p["std_val_loss"]), len(p["seeds"]),
-                         p["failed"], "chosen" if p["point"] == a["chosen"] else ""])
+                         p["failed"], ("chosen, at the grid's edge" if a.get("at_edge") else "chosen")
+                         if p["point"] == a["chosen"] else ""])
     console.table(f"selection on {tuning} (tuning seeds {','.join(map(str, selection['tuning_seeds']))}): "
                   f"{selection['rule']}", ["arch", "point", "mean val loss", "std", "seeds", "failed", ""], rows)
     console.result(f"selection: {tuning / 'selection.json'}")
