@@ -1,46 +1,161 @@
 #!/usr/bin/env bash
-# The study behind docs/findings.md, on the grammar corpus, every run 4 layers x 64 wide trained on the same
-# 1,024,000 tokens, five seeds, every analysis (sharpness, collapse, forgetting on grammar-b), compared and plotted;
-# then the saturation sweep. About 1 h 20 min on 2 CPU cores (measured) (two sweeps at a time, one core each).
+# The study behind docs/findings.md: a verdict for each of the 14 claims of the four papers, every architecture at
+# its own tuned learning rate.
 #
-#   a, b: baseline, hb, nesterov | tmm, adam, lime, with parameter-matched streams (model.momentum.stream_init=zero)
-#   c:    tmm with the paper's default "embed" streams (+15% parameters: learned stream embeddings)
-#   d:    the baseline widened to tmm-embed's parameter count (model.mlp_hidden=224: 269,056 vs 267,744)
+#   scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]      (default OUT runs/findings)
 #
-#   scripts/study.sh [OUT]          (default runs/study, and OUT-saturation; rerunning continues where it stopped)
+#   grammar  the synthetic grammar corpus, 4 layers x 64 wide (~232k parameters), 512,000 tokens per run,
+#            AdamW; tuning seeds 100,101 over train.lr = 3e-3, 1e-2, 3e-2 (and 1e-3 for the core and momentum
+#            groups, which were tuned first); comparison seeds 0..4
+#   muon     claims 4-8 again with train.optimizer=muon (Muon for the blocks' matrices, AdamW for the rest);
+#            tuning over train.muon_lr = 0.01, 0.02, 0.04 (train.lr = 3e-3 for the AdamW part)
+#   pydoc    every claim again on Python's documentation with a BPE tokenizer (1,024 tokens), 4 layers x 128 wide
+#            (845k parameters), 1,024,000 tokens per run (about 3 epochs of the training split), forgetting measured
+#            by fine-tuning on Python source code; tuning seeds 100,101, comparison seeds 0,1,2
+#   saturation  claim 9: cemtool saturation sweep (45 one-layer models)
+#   all      grammar, muon, pydoc, saturation
 #
-# The two halves are ordinary `cemtool sweep` studies run side by side (one torch thread each); one sweep with all
-# six architectures gives the same runs (batches are a pure function of seed and step), only slower on 2 cores.
+# Every part is a list of ordinary `cemtool sweep` studies: a tuning study (`--grid`, seeds 100 and 101) and a
+# comparison (`--tuned`, seeds disjoint from the tuning seeds) per group of architectures. The studies run in two
+# lanes side by side, one torch thread each (2 CPU cores). A sweep continues where it stopped, so rerunning the
+# same command after an interruption (or in a later session) finishes the study without redoing anything.
+# Measured wall time is written in docs/findings.md. --dry-run prints the runs each study would train.
+#
+# Set CEMTOOL to run another cemtool executable (default: the one on PATH).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 CEMTOOL=${CEMTOOL:-cemtool}
-OUT=${1:-runs/study}
+DRY=()
+if [ "${1:-}" = "--dry-run" ]; then DRY=(--dry-run); shift; fi
+PART=${1:?usage: scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]}
+OUT=${2:-runs/findings}
 mkdir -p "$OUT"
+export OMP_NUM_THREADS=1
 
-COMMON=(--seeds 0,1,2,3,4 --tokens 1024000
-        --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
-        --set data.seq_len=64 --set train.batch_size=32
-        --analyses sharpness,collapse,forgetting --quiet)
-ZERO=(--set model.momentum.stream_init=zero)
+TUNE_SEEDS=100,101
+LR_GRID=train.lr=3e-3,1e-2,3e-2
+LR_GRID4=train.lr=1e-3,3e-3,1e-2,3e-2  # the core and momentum groups (their tuning began with 1e-3 and was extended)
+MUON_GRID=train.muon_lr=0.01,0.02,0.04
+ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
+MOMENTUM=hb,nesterov,tmm,adam,adamw,rmsprop,muon,ortho,soap,shampoo
 
-OMP_NUM_THREADS=1 $CEMTOOL sweep --archs baseline,hb,nesterov "${COMMON[@]}" "${ZERO[@]}" --out "$OUT/a" \
-  > "$OUT/a.log" 2>&1 &
-A=$!
-OMP_NUM_THREADS=1 $CEMTOOL sweep --archs tmm,adam,lime "${COMMON[@]}" "${ZERO[@]}" --out "$OUT/b" > "$OUT/b.log" 2>&1 &
-B=$!
-wait $A $B
-OMP_NUM_THREADS=1 $CEMTOOL sweep --archs tmm "${COMMON[@]}" --out "$OUT/c" > "$OUT/c.log" 2>&1 &
-C=$!
-OMP_NUM_THREADS=1 $CEMTOOL sweep --archs baseline "${COMMON[@]}" --set model.mlp_hidden=224 --out "$OUT/d" \
-  > "$OUT/d.log" 2>&1 &
-D=$!
-wait $C $D
+# one sweep: logged to DIR.log, a failure (a diverged grid point) noted and the lane continues
+sweep() {  # sweep DIR ARGS...
+  local dir=$1; shift
+  if [ ${#DRY[@]} -gt 0 ]; then
+    echo "== $dir"
+    if [[ " $* " == *" --tuned "* ]] && [ ! -f "$(tuned_dir "$@")/study.json" ]; then
+      echo "(after its tuning study has run)"; return 0
+    fi
+    $CEMTOOL sweep "$@" --out "$dir" --dry-run; return 0
+  fi
+  echo "$(date -u +%FT%TZ) start $dir" >> "$OUT/study.log"
+  if $CEMTOOL sweep "$@" --out "$dir" --quiet > "$dir.log" 2>&1; then
+    echo "$(date -u +%FT%TZ) done  $dir" >> "$OUT/study.log"
+  else
+    echo "$(date -u +%FT%TZ) exit $? $dir (see $dir.log)" >> "$OUT/study.log"
+  fi
+}
+tuned_dir() { while [ $# -gt 0 ]; do [ "$1" = --tuned ] && { echo "$2"; return; }; shift; done; }
 
-$CEMTOOL compare "$OUT/a" "$OUT/b" "$OUT/c" "$OUT/d" --out "$OUT"
-$CEMTOOL plot "$OUT" --no-each-run --quiet
+# a group: tune its architectures, then compare them on the comparison seeds
+group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
+  local out=$1 name=$2 archs=$3 analyses=$4 seeds=$5 grid=$6; shift 6
+  sweep "$out/tune/$name" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
+  local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses" "${ANALYSIS_ARGS[@]}")
+  sweep "$out/$name" --tuned "$out/tune/$name" --seeds "$seeds" "${an[@]}"
+}
 
-# beside the study, not in it (its 45 small models are not part of the architecture comparison)
-$CEMTOOL saturation sweep --head-dims 2,4,8,16,32 --budget 32 --seq-lens 16,64,256 --seeds 0,1,2 \
-  --steps 300 --out "$OUT-saturation" --quiet
-$CEMTOOL plot "$OUT-saturation" --no-each-run --quiet
+# every group of the 14 claims (but the saturation sweep), in two lanes; the part's sizes come from the variables
+# COMMON (model and data), WIDE (the baseline at tmm's parameters), CEM_SIZE (the baseline at cem's parameters),
+# FLOP_TOKENS (the baseline's tokens at LIMe's training FLOPs), LOWRANK_75 (late-lowrank at 75% of the attention
+# budget) and DEPTH12 (12 layers at the parameters of the default depth)
+claims() {  # claims OUTDIR SEEDS
+  local o=$1 S=$2
+  mkdir -p "$o/tune"
+  (  # lane 1: the momentum streams (claims 4-8) with their analyses, and a same-size baseline
+    group "$o" momentum "$MOMENTUM" sharpness,forgetting $S "$LR_GRID4"
+    group "$o" baseline-wide baseline sharpness,forgetting $S "$LR_GRID" "${WIDE[@]}"
+  ) &
+  local l1=$!
+  (  # lane 2: baseline, LIMe and CEM (claims 1-3, 11-14), allocation (10), depth 12 (13)
+    sweep "$o/tune/core" --archs baseline,lime,cem,cem-rec2,cem-precond,cem-dplr,cem-full \
+      --seeds "$TUNE_SEEDS" --grid "$LR_GRID4" "${COMMON[@]}"
+    sweep "$o/core" --tuned "$o/tune/core" --archs baseline,lime --seeds $S \
+      --analyses sharpness,collapse,forgetting "${ANALYSIS_ARGS[@]}"
+    sweep "$o/cem" --tuned "$o/tune/core" --archs cem,cem-rec2,cem-precond,cem-dplr,cem-full --seeds $S
+    group "$o" baseline-cem-size baseline "" $S "$LR_GRID" "${CEM_SIZE[@]}"
+    sweep "$o/baseline-lime-flops" --tuned "$o/tune/core" --archs baseline --seeds $S --tokens "$FLOP_TOKENS"
+    group "$o" early-heavy baseline "" $S "$LR_GRID" --set model.alloc_strategy=early-heavy
+    group "$o" late-lowrank baseline "" $S "$LR_GRID" --set model.alloc_strategy=late-lowrank
+    group "$o" late-lowrank-75 baseline "" $S "$LR_GRID" --set "model.head_dims=$LOWRANK_75"
+    group "$o" depth12 baseline,lime collapse $S "$LR_GRID" "${DEPTH12[@]}"
+  ) &
+  local l2=$!
+  wait $l1 $l2
+}
+
+grammar() {
+  COMMON=(--tokens 512000 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
+          --set data.seq_len=64 --set train.batch_size=32)
+  WIDE=(--set model.mlp_hidden=224)  # 269,056 parameters vs tmm's 267,744 (its learned stream embeddings)
+  CEM_SIZE=(--set model.d_model=48 --set model.mlp_hidden=152)  # cemtool archs --match-params cem: +0.9%
+  FLOP_TOKENS=522240  # LIMe 1.625e6 vs 1.597e6 FLOPs/token (x1.0175): 255 steps instead of 250
+  LOWRANK_75="[16,16,10,6]"  # the early layers as uniform (d_h 16), the late ones low-rank: 192 of 256
+  DEPTH12=(--set model.n_layer=12 --set model.d_model=36 --set model.n_head=2
+           --set model.mlp_hidden=106)  # 200,484 non-embedding parameters vs 201,280 at depth 4
+  claims "$OUT/grammar" 0,1,2,3,4
+}
+
+muon() {
+  local o=$OUT/grammar-muon; mkdir -p "$o/tune"
+  COMMON=(--tokens 512000 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
+          --set data.seq_len=64 --set train.batch_size=32 --set train.optimizer=muon)
+  local S=0,1,2,3,4
+  group "$o" lane1 baseline,hb,nesterov,tmm,adam,adamw sharpness,forgetting $S "$MUON_GRID" &
+  local l1=$!
+  (
+    group "$o" lane2 rmsprop,muon,ortho,soap,shampoo sharpness,forgetting $S "$MUON_GRID"
+    group "$o" baseline-wide baseline sharpness,forgetting $S "$MUON_GRID" --set model.mlp_hidden=224
+  ) &
+  local l2=$!
+  wait $l1 $l2
+}
+
+pydoc() {
+  # forgetting: fine-tune on Python source code (the standard library's own, shipped with every Python)
+  local target=$OUT/pydoc/python-source.txt
+  mkdir -p "$OUT/pydoc"
+  [ -f "$target" ] || python3 -c "import argparse, inspect, json, logging, pathlib
+print('\n'.join(inspect.getsource(m) for m in (argparse, json, logging, pathlib)))" > "$target"
+  COMMON=(--data pydoc --tokens 1024000 --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
+          --set model.d_model=128 --set model.n_layer=4 --set model.n_head=4
+          --set data.seq_len=128 --set train.batch_size=16)
+  WIDE=(--set model.mlp_hidden=384)  # 918,656 parameters vs tmm's 919,712
+  CEM_SIZE=(--set model.d_model=96 --set model.mlp_hidden=288)  # cemtool archs --match-params cem: +0.7%
+  FLOP_TOKENS=1036288  # LIMe 5.511e6 vs 5.456e6 FLOPs/token (x1.0101): 506 steps instead of 500
+  LOWRANK_75="[32,32,20,12]"  # 96 of 128
+  DEPTH12=(--set model.n_layer=12 --set model.d_model=72 --set model.n_head=4
+           --set model.mlp_hidden=204)  # ~779,400 non-embedding parameters vs 779,392 at depth 4
+  ANALYSIS_ARGS=(--to "$target")
+  claims "$OUT/pydoc" 0,1,2
+}
+
+saturation() {
+  if [ ${#DRY[@]} -gt 0 ]; then echo "== $OUT/saturation: 45 models (5 head sizes x 3 lengths x 3 seeds)"; return; fi
+  $CEMTOOL saturation sweep --head-dims 2,4,8,16,32 --budget 32 --seq-lens 16,64,256 --seeds 0,1,2 \
+    --steps 300 --out "$OUT/saturation" --quiet
+  $CEMTOOL plot "$OUT/saturation" --no-each-run --quiet
+}
+
+start=$(date +%s)
+case $PART in
+  grammar) grammar ;;
+  muon) muon ;;
+  pydoc) pydoc ;;
+  saturation) saturation ;;
+  all) grammar; muon; pydoc; saturation ;;
+  *) echo "Error: unknown part '$PART' (grammar, muon, pydoc, saturation or all)" >&2; exit 2 ;;
+esac
+[ ${#DRY[@]} -gt 0 ] || echo "$(date -u +%FT%TZ) $PART: $(( ($(date +%s) - start) / 60 )) min" >> "$OUT/study.log"
