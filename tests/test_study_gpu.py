@@ -1,0 +1,160 @@
+"""scripts/study_gpu.sh end to end with --tiny on the CPU: the estimate, the studies, the tuning/comparison split,
+resuming, and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ["bash", str(ROOT / "scripts" / "study_gpu.sh")]
+
+
+def study_gpu():
+    spec = importlib.util.spec_from_file_location("study_gpu", ROOT / "scripts" / "study_gpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("study_gpu", mod)  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def run(*args, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    return subprocess.run([*SCRIPT, *args], stdin=stdin, capture_output=True, text=True, env=env, cwd=ROOT)
+
+
+def meta_mtimes(out: Path) -> dict:
+    return {str(p): p.stat().st_mtime_ns for p in out.rglob("meta.json")}
+
+
+def study_dirs(out: Path) -> list[Path]:
+    return sorted(p.parent for part in ("main", "muon") for p in (out / part).rglob("study.json"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """--estimate-only, then the whole tiny study on two CPU lanes, in one folder."""
+    out = tmp_path_factory.mktemp("study-gpu") / "s"
+    est = run("--device", "cpu", "--tiny", "--estimate-only", "--out", str(out))
+    assert est.returncode == 0, est.stdout + est.stderr
+    estimate_only = {"res": est, "studies": study_dirs(out), "runs": meta_mtimes(out)}
+    res = run("--device", "cpu", "--tiny", "--yes", "--gpus", "2", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr + (out / "study.log").read_text()
+    return {"out": out, "res": res, "estimate_only": estimate_only}
+
+
+def table(stdout: str) -> dict[str, tuple[int, int]]:
+    """The estimate table: study -> (runs, tokens per run)."""
+    rows = re.findall(r"^((?:main|muon)/\S+)\s+(\d+)\s+([\d,]+)\s+\S+$", stdout, re.M)
+    return {name: (int(runs), int(tokens.replace(",", ""))) for name, runs, tokens in rows}
+
+
+@pytest.mark.slow
+def test_every_study_completed_as_the_estimate_planned(tiny):
+    out, stdout = tiny["out"], tiny["res"].stdout
+    planned = table(stdout)
+    assert "estimate:" in stdout and "device-hours" in stdout
+    assert len(planned) == 22 and {"main/tune/momentum", "main/core", "main/depth6", "main/late-lowrank-75",
+                                   "muon/tune/lane1", "muon/lane2"} <= set(planned)
+    assert {str(p.relative_to(out)) for p in study_dirs(out)} == set(planned)
+    for name, (runs, tokens) in planned.items():
+        study = json.loads((out / name / "study.json").read_text())
+        assert study["status"] == "completed", name
+        assert len(study["items"]) == runs and study["plan"]["tokens"] == tokens, name
+        assert all(i["status"] == "completed" for i in study["items"]), name
+
+
+@pytest.mark.slow
+def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
+    out = tiny["out"]
+    compared = 0
+    for d in study_dirs(out):
+        plan = json.loads((d / "study.json").read_text())["plan"]
+        if plan["grid"]:
+            assert plan["seeds"] == [100, 101] and plan["tuned_from"] is None
+            continue
+        tuning = Path(plan["tuned_from"])
+        assert tuning.is_absolute() and tuning.parent.name == "tune" and tuning.parent.parent == d.parent
+        tune = json.loads((tuning / "study.json").read_text())
+        assert not set(plan["seeds"]) & set(tune["plan"]["seeds"])
+        assert plan["seeds"] == [0, 1]
+        for arch in plan["archs"]:
+            # the grid point with the lowest mean final validation loss over the tuning seeds
+            points = {}
+            for item in tune["items"]:
+                if item["arch"] == arch:
+                    points.setdefault(tuple(item["point"].items()), []).append(item["val_loss"])
+            best = min(points, key=lambda p: sum(points[p]) / len(points[p]))
+            assert plan["arch_overrides"][arch] == [f"{k}={v}" for k, v in best], (d, arch)
+        compared += 1
+    assert compared == 11
+
+
+@pytest.mark.slow
+def test_matched_groups_are_matched(tiny):
+    out, stdout = tiny["out"], tiny["res"].stdout
+    diffs = dict(re.findall(r"^(baseline-wide|baseline-cem-size|depth6|late-lowrank-75)\s.*\s([+-][\d.]+)%$",
+                            stdout, re.M))
+    assert set(diffs) == {"baseline-wide", "baseline-cem-size", "depth6", "late-lowrank-75"}
+    assert all(abs(float(diffs[g])) <= 2 for g in ("baseline-wide", "baseline-cem-size", "depth6"))
+    assert float(diffs["late-lowrank-75"]) == -25.0
+
+    def items(name):
+        return {i["arch"]: i for i in json.loads((out / name / "study.json").read_text())["items"]}
+
+    core, flops = items("main/core"), json.loads((out / "main/baseline-lime-flops/study.json").read_text())
+    ratio = core["lime"]["flops_per_token"] / core["baseline"]["flops_per_token"]
+    step = 16 * 32
+    assert abs(flops["plan"]["tokens"] - 4096 * ratio) <= step / 2
+    assert flops["plan"]["tokens"] % step == 0
+    wide, tmm = items("main/baseline-wide")["baseline"], items("main/momentum")["tmm"]
+    assert abs(wide["params"] / tmm["params"] - 1) <= 0.02
+    deep = items("main/depth6")["baseline"]
+    assert deep["non_embedding"] / core["baseline"]["non_embedding"] - 1 == pytest.approx(0, abs=0.02)
+
+
+@pytest.mark.slow
+def test_estimate_only_trains_nothing(tiny):
+    est = tiny["estimate_only"]
+    assert table(est["res"].stdout) == table(tiny["res"].stdout)  # the same plan, measured before
+    assert est["studies"] == []
+    assert all("/estimate/" in p for p in est["runs"])  # only the timed probes
+
+
+@pytest.mark.slow
+def test_rerun_retrains_nothing(tiny):
+    out = tiny["out"]
+    before = meta_mtimes(out)
+    res = run("--device", "cpu", "--tiny", "--yes", "--out", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert meta_mtimes(out) == before and len(before) > 300
+    assert "timing every architecture" in res.stdout
+
+
+def test_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path):
+    res = run("--device", "cpu", "--tiny", "--out", str(tmp_path / "s"))
+    assert res.returncode != 0
+    assert res.stdout == "" and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert res.stderr.startswith("Error: ") and "--yes" in res.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def test_late_lowrank_75_keeps_three_quarters_of_the_budget():
+    mod = study_gpu()
+    sizes = {"tiny": [16, 8]}
+    for name, size in mod.SIZES.items():
+        dims, dh = mod.late_lowrank_75(size), size.d_model // size.n_head
+        assert sum(dims) == 0.75 * size.n_layer * dh and len(dims) == size.n_layer, name
+        assert dims == sorted(dims, reverse=True) and all(d % 2 == 0 and d > 0 for d in dims), name
+        if name in sizes:
+            assert dims == sizes[name]
+    four = dataclasses.replace(mod.SIZES["tiny"], n_layer=4, d_model=64, n_head=4)
+    assert mod.late_lowrank_75(four) == [16, 16, 10, 6]  # study.sh's model.head_dims for 4 layers of 4 x 16
