@@ -53,6 +53,21 @@ def test_a_tiny_run_writes_reports_figures_and_a_summary(run_dir):
         assert (Path(run_dir) / "plots" / f"{fig}.png").stat().st_size > 1000
 
 
+def test_central_difference_hvps_give_the_exact_eigenvalues(run_dir):
+    """--hvp fd (fp64) against the exact double backward (fp64) on the same run and tokens; the option is recorded."""
+    from pathlib import Path
+
+    reports = {}
+    for method in ("exact", "fd"):
+        res = invoke(run_dir, *QUICK, "--dtype", "fp64", "--hvp", method, "--name", f"hvp-{method}",
+                     "--landscape", "none", "--trace-hvps", "0", "--density-runs", "0")
+        assert res.exit_code == 0, res.output
+        reports[method] = json.loads((Path(run_dir) / "reports" / f"hvp-{method}.json").read_text())
+    assert reports["fd"]["options"]["hvp"] == "fd" and reports["exact"]["options"]["hvp"] == "exact"
+    for a, b in zip(reports["fd"]["eigen"]["top"], reports["exact"]["eigen"]["top"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+
+
 def test_per_layer_report_and_json(run_dir):
     from pathlib import Path
 
@@ -98,6 +113,9 @@ def test_a_pyhessian_failure_is_reported_not_raised(run_dir, monkeypatch):
     (["--density-sigma", "0"], "density_sigma must be a positive number"),
     (["--top-k", "3", "--lanczos-steps", "3"], "need at least 4 Lanczos steps"),
     (["--name", "../../escape"], "not a plain name"),
+    (["--hvp", "fd"], "needs --dtype fp64"),
+    (["--hvp", "jvp", "--dtype", "fp64"], "unknown HVP method"),
+    (["--hvp", "fd", "--dtype", "fp64", "--backend", "pyhessian"], "--hvp fd is cemtool's own HVP"),
 ])
 def test_bad_input_is_one_line(run_dir, args, message):
     res = invoke(run_dir, *QUICK, *args)

@@ -85,6 +85,28 @@ def test_hvp_matches_dense_hessian_for_every_batching(problem):
             assert float((obj.hvp(v) - hv).norm()) < 1e-12 * float(hv.norm())  # reused graph = same result
 
 
+def test_central_difference_hvp_matches_the_dense_hessian_in_fp64(problem):
+    """--hvp fd: (grad L(w + h v) - grad L(w - h v)) / 2h against the dense Hessian; the weights come back bit for
+    bit; fp32 is refused."""
+    model, x, y, _, H, eig = problem
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for seed, scale in ((0, 1.0), (1, 1e-3), (2, 1e3)):  # the step is relative to |v|: any scale works
+        v = scale * torch.randn(H.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        with Objective(model, x, y, dtype="fp64", hvp="fd", batch_size=3) as obj:
+            hv = obj.hvp(v)
+            assert obj.hvps == 1 and obj.gradients == 0
+        assert float((hv - H @ v).norm() / (H @ v).norm()) < 1e-8
+    with Objective(model, x, y, dtype="fp64", hvp="fd") as obj:
+        assert float(obj.hvp(torch.zeros(H.shape[0], dtype=torch.float64)).abs().max()) == 0.0
+        ev = lanczos(obj, 1, 0, max_steps=120, tol=1e-10)
+    assert abs(ev.top[0] - float(eig[-1])) < 1e-7 * abs(float(eig[-1]))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    with pytest.raises(CemtoolError, match="needs --dtype fp64"):
+        Objective(model, x, y, dtype="fp32", hvp="fd")
+    with pytest.raises(CemtoolError, match="unknown HVP method"):
+        Objective(model, x, y, dtype="fp64", hvp="jvp")
+
+
 def test_hvp_fp32_is_close_and_autocast_is_switched_off(problem):
     model, x, y, _, H, _ = problem
     v = torch.randn(H.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -129,6 +129,12 @@ class Objective:
     converted copy of the model; fp32 on a model already in fp32 uses the model itself and restores its
     mode and ``requires_grad`` flags in :meth:`close`. Parameter shifts (:meth:`shifted`) are undone exactly.
 
+    ``hvp``: how H v is computed [decision: measured, docs/performance.md]. 'exact' (default): reverse over reverse,
+    the gradient of (grad L . v), exact to rounding. 'fd': the central difference of two exact gradients,
+    (grad L(w + h v) - grad L(w - h v)) / 2h with h = FD_STEP / |v| — a gradient's memory (no second-order graph)
+    and two gradients' time, with an error of order h^2 |v|^2 (third derivatives) plus rounding u / h; float64
+    only, where it is about 1e-9 relative (in float32 the shifted weights would keep only ~3 digits of h v).
+
     ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
     again for every HVP ('auto': as many batches as fit in ``graph_budget`` bytes, default a quarter of the free
     memory; True: all; False: none). Kept graphs are the only memory that grows with N (up to that budget).
@@ -143,9 +149,11 @@ class Objective:
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: str = "all",
                  dtype: str | torch.dtype = "fp64", device: str | torch.device | None = None,
                  batch_size: int | None = None, keep_graph: bool | str = "auto", graph_budget: int | None = None,
-                 vectors: int = 0,
+                 vectors: int = 0, hvp: str = "exact",
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss):
         self.dtype = resolve_dtype(dtype)
+        check_hvp_method(hvp, self.dtype)
+        self.hvp_method = hvp
         first = next(iter(model.parameters()), None)
         if first is None:
             raise CemtoolError("the model has no parameters")
@@ -317,6 +325,8 @@ class Objective:
 
     def hvp(self, v: torch.Tensor) -> torch.Tensor:
         """H v for a flat (n,) vector, returned flat (n,) float64 (H of the parameter subset only)."""
+        if self.hvp_method == "fd":
+            return self._hvp_central_difference(v)
         vs = self.split(v)
         out = torch.zeros(self.n, dtype=torch.float64, device=self.device)
         with self._context(grad=True):
@@ -330,6 +340,21 @@ class Objective:
                 out += self.flat(list(hv))
         self.hvps += 1
         return all_reduce_sum(out)
+
+    def _hvp_central_difference(self, v: torch.Tensor) -> torch.Tensor:
+        """(grad L(w + h v) - grad L(w - h v)) / 2h, h = FD_STEP / |v|: no second-order graph is ever built."""
+        norm = float(v.norm())
+        if norm == 0.0:
+            self.hvps += 1
+            return torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        h = FD_STEP / norm
+        grads = []
+        for sign in (1.0, -1.0):
+            with self.shifted(sign * h * v):
+                grads.append(self.gradient()[1])  # (n,) float64, summed over the ranks
+        self.gradients -= 2  # counted as one HVP, not as passes of their own
+        self.hvps += 1
+        return (grads[0] - grads[1]) / (2.0 * h)
 
     @contextmanager
     def shifted(self, delta: torch.Tensor) -> Iterator[None]:
@@ -345,6 +370,19 @@ class Objective:
             with torch.no_grad():
                 for p, s in zip(self.params, saved, strict=True):
                     p.copy_(s)
+
+
+HVP_METHODS = ("exact", "fd")
+FD_STEP = float(torch.finfo(torch.float64).eps) ** (1 / 3)  # |h v| of the central difference: ~6e-6
+
+
+def check_hvp_method(method: str, dtype: torch.dtype) -> None:
+    """An HVP method by name; 'fd' needs float64."""
+    if method not in HVP_METHODS:
+        raise CemtoolError(f"unknown HVP method {method!r}", hint=f"use {' or '.join(HVP_METHODS)}")
+    if method == "fd" and dtype != torch.float64:
+        raise CemtoolError("the central-difference HVP (--hvp fd) needs --dtype fp64: in fp32 the shifted weights "
+                           "keep only about 3 digits of the step", hint="add --dtype fp64, or use --hvp exact")
 
 
 def evaluation_set(loaded, n_tokens: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -291,6 +291,7 @@ class SharpnessOptions:
     seed: int = 0
     device: str | None = None
     graph_memory: float | None = None  # GiB of kept first-order graphs (None: a quarter of the free memory)
+    hvp: str = "exact"  # exact (double backward) or fd (central difference of gradients; fp64 only)
 
     def __post_init__(self):
         bad = [m for m in self.trace_methods if m not in TRACE_METHODS]
@@ -302,6 +303,7 @@ class SharpnessOptions:
                      "avg_samples"):
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
+        hs.check_hvp_method(self.hvp, hs.resolve_dtype(self.dtype))
         if self.graph_memory is not None and not (math.isfinite(self.graph_memory) and self.graph_memory >= 0):
             raise CemtoolError(f"graph_memory must be a finite number of GiB >= 0, got {self.graph_memory}")
         for name in ("tol", "sam_rho", "asam_rho", "asam_eta", "avg_rho", "slice_span"):
@@ -431,7 +433,7 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     vectors = max(o.lanczos_steps, o.density_steps) + (o.trace_hvps if o.trace_methods else 0)
     budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
     with Objective(model, x, y, params=o.params, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
-                   graph_budget=budget, vectors=vectors) as obj:
+                   graph_budget=budget, vectors=vectors, hvp=o.hvp) as obj:
         cb = stage("loss and gradient", 1)
         loss0, g = obj.gradient()
         cb(1)

@@ -127,6 +127,9 @@ def sharpness(
                                                           min=0.0)] = None,
     dtype: Annotated[str, typer.Option(help="HVP dtype: fp32 (default) or fp64 (a converted copy of the model)")]
     = "fp32",
+    hvp: Annotated[str, typer.Option(help="Hessian-vector products: exact (double backward, default) or fd (central "
+                                          "difference of two gradients: a gradient's memory, ~1e-9 relative error; "
+                                          "needs --dtype fp64)")] = "exact",
     params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
                                              "parameter names (comma-separated union); default all")] = "all",
     top_k: Annotated[int, typer.Option(help="largest eigenvalues (default 5)", min=0)] = 5,
@@ -208,7 +211,10 @@ def sharpness(
         landscape=landscape,
         slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
-        slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory)
+        slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory, hvp=hvp)
+    if backend == "pyhessian" and hvp != "exact":
+        raise CemtoolError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
+                           hint="drop --hvp, or use --backend cemtool")
     if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
         raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
