@@ -11,8 +11,10 @@ Decision rules (stated in docs/findings.md):
   above zero for a quantity the claim says is higher), not reproduced otherwise, with the reason (the opposite
   resolved, or no difference resolved);
 - "A matches B" claims (non-inferiority): reproduced when the interval's upper end is below DELTA = 0.01 nats;
-- pooled groups (e.g. every momentum-only variant) pool their runs: the interval then carries the spread between
-  the pooled architectures as well as between seeds;
+- intervals are paired by seed (marked ᵖ) when both groups ran the same seeds: runs with the same seed saw the same
+  batches in the same order, so the data-order noise cancels in the per-seed differences; otherwise Welch;
+- pooled groups (e.g. every momentum-only variant) pool their runs (Welch): the interval then carries the spread
+  between the pooled architectures as well as between seeds;
 - a row whose groups have not finished says so ("not run yet") instead of a verdict.
 """
 
@@ -39,6 +41,17 @@ MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho"
 MOMENTUM_ONLY = ["hb", "nesterov", "tmm"]  # momentum, no preconditioning
 PRECOND_ONLY = ["rmsprop", "shampoo", "ortho"]  # preconditioning (or orthogonalisation), no momentum
 WITH_MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "muon", "soap"]  # every variant that carries momentum
+
+
+class Values(list):
+    """A group's values with the seed of each (runs with the same seed saw the same batches in the same order)."""
+
+    def __init__(self, values, seeds):
+        super().__init__(values)
+        self.seeds = list(seeds)
+
+    def by_seed(self) -> dict[int, float]:
+        return dict(zip(self.seeds, self, strict=True))
 
 
 class Part:
@@ -69,8 +82,9 @@ class Part:
                 return s
         return None
 
-    def values(self, metric: str, arch: str, study: str | None = None) -> list[float]:
-        return [r[metric] for r in self.runs(arch, study) if r.get(metric) is not None and math.isfinite(r[metric])]
+    def values(self, metric: str, arch: str, study: str | None = None) -> Values:
+        rs = [r for r in self.runs(arch, study) if r.get(metric) is not None and math.isfinite(r[metric])]
+        return Values([r[metric] for r in rs], [r["seed"] for r in rs])
 
     def pooled(self, metric: str, archs: list[str]) -> list[float]:
         return [v for a in archs for v in self.values(metric, a)]
@@ -88,15 +102,33 @@ class Part:
 # statistics and formatting
 
 
+def same_seeds(*groups) -> bool:
+    """Every group is a Values over the same seeds (at least 2), each seed once."""
+    if not all(isinstance(g, Values) for g in groups):
+        return False
+    seeds = [sorted(g.seeds) for g in groups]
+    return len(seeds[0]) >= 2 and len(set(seeds[0])) == len(seeds[0]) and all(s == seeds[0] for s in seeds)
+
+
 def diff(a: list[float], b: list[float]) -> dict | None:
-    """Welch interval of mean(a) - mean(b); None when a group has fewer than 2 runs."""
+    """mean(a) - mean(b) with a 95% interval: paired by seed when both groups ran the same seeds (the same batches
+    in the same order: the data-order noise cancels), else Welch; None when a group has fewer than 2 runs."""
     if len(a) < 2 or len(b) < 2:
         return None
-    return welch(a, b)
+    if same_seeds(a, b):
+        ba, bb = a.by_seed(), b.by_seed()
+        return {**paired([ba[s] - bb[s] for s in sorted(ba)]), "method": "paired by seed",
+                "welch": welch(a, b)}
+    return {**welch(a, b), "method": "Welch"}
 
 
 def diff_of_diffs(a1, b1, a2, b2, level: float = 0.95) -> dict | None:
-    """(mean a2 - mean b2) - (mean a1 - mean b1) with a Welch-Satterthwaite interval (four independent groups)."""
+    """(mean a2 - mean b2) - (mean a1 - mean b1): paired by seed when all four groups ran the same seeds, else with
+    a Welch-Satterthwaite interval (four independent groups)."""
+    if same_seeds(a1, b1, a2, b2):
+        m = [g.by_seed() for g in (a1, b1, a2, b2)]
+        return {**paired([(m[2][s] - m[3][s]) - (m[0][s] - m[1][s]) for s in sorted(m[0])], level),
+                "method": "paired by seed"}
     groups = [np.asarray(g, dtype=float) for g in (a1, b1, a2, b2)]
     if any(len(g) < 2 for g in groups):
         return None
@@ -105,7 +137,8 @@ def diff_of_diffs(a1, b1, a2, b2, level: float = 0.95) -> dict | None:
     se = math.sqrt(sum(terms))
     df = sum(terms) ** 2 / sum(t ** 2 / (len(g) - 1) for t, g in zip(terms, groups, strict=True)) if se else math.inf
     half = stats.t.ppf(0.5 + level / 2, df) * se
-    return {"diff": float(est), "lo": float(est - half), "hi": float(est + half), "df": float(df)}
+    return {"diff": float(est), "lo": float(est - half), "hi": float(est + half), "df": float(df),
+            "method": "Welch"}
 
 
 def paired(deltas: list[float], level: float = 0.95) -> dict | None:
@@ -129,7 +162,8 @@ def num(v: float | None, digits: int = 3) -> str:
 def ci(d: dict | None, digits: int = 3) -> str:
     if d is None:
         return "not run yet"
-    return f"{d['diff']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]"
+    mark = "ᵖ" if d.get("method") == "paired by seed" else ""
+    return f"{d['diff']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]{mark}"
 
 
 def mean_sd(v: list[float], digits: int = 4) -> str:
@@ -377,7 +411,8 @@ def _layer_mean(r: dict, metric: str) -> float | None:
 
 def claim12(p: Part) -> dict:
     def per_run(arch, metric):
-        return [v for r in p.runs(arch) if (v := _layer_mean(r, metric)) is not None]
+        rs = [(r["seed"], v) for r in p.runs(arch) if (v := _layer_mean(r, metric)) is not None]
+        return Values([v for _, v in rs], [s for s, _ in rs])
 
     ent = diff(per_run("lime", "value_entropy"), per_run("baseline", "value_entropy"))
     sep = diff(per_run("lime", "separability"), per_run("baseline", "separability"))
