@@ -164,7 +164,7 @@ def chains(size: Size, shapes: dict, lime_ratio: float) -> list[Chain]:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# sizes of the matched groups (parameter counts of freshly built models; no FLOPs, so this is quick at 125M)
+# sizes of the matched groups (parameter counts of models built on the meta device: no FLOPs, no memory)
 
 
 def param_count(arch: str, sets: list[str], vocab: int, seq_len: int) -> dict:
@@ -174,8 +174,8 @@ def param_count(arch: str, sets: list[str], vocab: int, seq_len: int) -> dict:
     from cemtool.models.registry import build_model
 
     cfg = resolve(arch=arch, overrides=[*sets, f"model.vocab_size={vocab}", f"model.max_seq_len={seq_len}"])
-    torch.manual_seed(0)
-    return build_model(cfg.model).num_params()
+    with torch.device("meta"):  # shapes without memory or initialisation: instant at 125M
+        return build_model(cfg.model).num_params()
 
 
 def fit_mlp(sets: list[str], key: str, target: int, vocab: int, seq_len: int, d_model: int) -> tuple[int, int]:
