@@ -100,6 +100,8 @@ def test_central_difference_hvp_matches_the_dense_hessian_in_fp64(problem):
         assert float(obj.hvp(torch.zeros(H.shape[0], dtype=torch.float64)).abs().max()) == 0.0
         ev = lanczos(obj, 1, 0, max_steps=120, tol=1e-10)
     assert abs(ev.top[0] - float(eig[-1])) < 1e-7 * abs(float(eig[-1]))
+    assert abs(ev.top[0] - float(eig[-1])) <= ev.top_residual[0]  # the bound holds: it carries the fd error level
+    assert ev.rounding >= max(np.sqrt(obj.n), 10) * hs.FD_STEP ** 2 * abs(ev.top[0])  # not float64's eps
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(CemtoolError, match="needs --dtype fp64"):
         Objective(model, x, y, dtype="fp32", hvp="fd")
