@@ -267,11 +267,16 @@ def steady_rate(run: Path) -> float:
 
 
 def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: dict, device: str,
-               analysis_options: dict) -> dict:
+               analysis_options: dict, scan_s: float) -> dict:
     """Train every probe (or find it trained), and time sharpness and collapse on the baseline's probe run.
-    Returns {"rate": {probe: {arch: tokens/s}}, "overhead_s", "flops": {arch: FLOPs/token}, "analysis_s"}."""
+    Returns {"rate": {probe: {arch: tokens/s}}, "overhead_s", "flops": {arch: FLOPs/token}, "analysis_s"}.
+    overhead_s: a run's time in its sweep besides training and analyses (building the model, counting its FLOPs,
+    checkpoints), measured when the probes train and kept in estimate/overhead.json for reruns."""
+    import json
+
     import torch
 
+    from cemtool.runs import atomic_write_text
     from cemtool.sweep import make_plan, run_sweep
 
     if device == "cpu":
@@ -286,19 +291,27 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
         analyses = ["sharpness", "collapse"] if name == "analyses" else []
         plan = make_plan(archs, [0], tokens=tokens, data=data, overrides=[*probe_sets, *sets], analyses=analyses,
                          options={k: v for k, v in analysis_options.items() if k in analyses})
+        fresh = not (out / "estimate" / name / "study.json").exists()
+        t0 = time.perf_counter()
         manifest = run_sweep(out / "estimate" / name, plan, device=device)
+        if fresh:  # the sweep's wall time besides reading the corpus, training and analyses, per run
+            inside = sum(i["seconds"] + sum(a["seconds"] for a in i["analyses"].values()) for i in manifest["items"])
+            overhead += [max(0.0, time.perf_counter() - t0 - scan_s - inside) / len(manifest["items"])]
         failed = [i["name"] for i in manifest["items"] if i["status"] != "completed"]
         if failed:
             sys.exit(f"Error: the probe run {out / 'estimate' / name / failed[0]} did not complete; see its meta.json")
         for item in manifest["items"]:
             r = steady_rate(out / "estimate" / name / item["run"])
             rate.setdefault(name, {})[item["arch"]] = r
-            overhead.append(max(0.0, item["seconds"] - tokens / r))
             if name == "default":
                 flops[item["arch"]] = item["flops_per_token"]
             if name == "analyses":
                 analysis_s = {a: v["seconds"] for a, v in item["analyses"].items()}
-    return {"rate": rate, "overhead_s": statistics.median(overhead), "flops": flops, "analysis_s": analysis_s}
+    saved = out / "estimate" / "overhead.json"
+    if overhead:
+        atomic_write_text(saved, json.dumps({"overhead_s": statistics.median(overhead)}))
+    overhead_s = json.loads(saved.read_text())["overhead_s"] if saved.is_file() else 0.0
+    return {"rate": rate, "overhead_s": overhead_s, "flops": flops, "analysis_s": analysis_s}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -321,18 +334,22 @@ def startup_seconds(probes: dict) -> float:
     return probes["startup_s"] + probes["scan_s"]
 
 
+def adamw_rate(probes: dict, sweep: Sweep, arch: str) -> float:
+    """Training tokens/s of the arch at the sweep's size under AdamW (as its fine-tune trains)."""
+    rate = probes["rate"]
+    return rate["default" if sweep.probe == "muon" else sweep.probe][arch]
+
+
 def analysis_seconds(probes: dict, sweep: Sweep, arch: str, size: Size) -> float:
     """Sharpness and collapse: the baseline probe's measured times, scaled by the arch's training speed;
-    forgetting: its fine-tune (a quarter of the run's steps, at most 1,000; 21 evaluations on both corpora)."""
-    slow = probes["rate"]["default"]["baseline"] / probes["rate"]["default"].get(arch, probes["rate"]["default"][
-        "baseline"])
+    forgetting: its fine-tune (a quarter of the run's steps, at most 1,000; 21 evaluations on both corpora; a pass
+    over each corpus)."""
+    r = adamw_rate(probes, sweep, arch)
+    slow = probes["rate"]["default"]["baseline"] / r
     s = sum(probes["analysis_s"].get(a, 0.0) * slow for a in sweep.analyses if a != "forgetting")
     if "forgetting" in sweep.analyses:
-        ft_steps = min(1000, math.ceil(0.25 * sweep.tokens / size.tokens_per_step))
-        s += run_seconds(probes, Sweep("", [], [], 0, "default"), arch if arch in probes["rate"]["default"]
-                         else "baseline", size, ft_steps * size.tokens_per_step)
-        s += 21 * 2 * size.eval_tokens / (3 * probes["rate"]["default"].get(arch, 1e9))
-        s += 2 * probes["scan_s"]  # the fine-tune reads the source corpus and the target (at most as large)
+        ft_tokens = min(1000, math.ceil(0.25 * sweep.tokens / size.tokens_per_step)) * size.tokens_per_step
+        s += ft_tokens / r + 21 * 2 * size.eval_tokens / (3 * r) + probes["overhead_s"] + 2 * probes["scan_s"]
     return s
 
 
@@ -538,7 +555,7 @@ def main(argv: list[str]) -> int:
     for o in options:  # as `cemtool sweep -A` reads them
         opt_dict = merge(opt_dict, parse_override(o))
     print(f"timing every architecture: {size.probe_steps} steps each on {device} (in {out / 'estimate'})", flush=True)
-    probes = run_probes(out, size, data_sets, data, shapes, device, opt_dict)
+    probes = run_probes(out, size, data_sets, data, shapes, device, opt_dict, scan_s)
     lime_ratio = probes["flops"]["lime"] / probes["flops"]["baseline"]
     work = chains(size, shapes, lime_ratio)
     common = ["--data", data, *[x for v in [*size.sets(), *data_sets] for x in ("--set", v)]]

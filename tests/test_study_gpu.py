@@ -133,7 +133,7 @@ def test_estimate_only_trains_nothing(tiny):
 def test_rerun_retrains_nothing(tiny):
     out = tiny["out"]
     before = meta_mtimes(out)
-    res = run("--device", "cpu", "--tiny", "--yes", "--out", str(out))
+    res = run("--device", "cpu", "--tiny", "--yes", "--gpus", "2", "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     assert meta_mtimes(out) == before and len(before) > 300
     assert "timing every architecture" in res.stdout
