@@ -30,6 +30,7 @@ MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho"
 CEM = ["cem", "cem-rec2", "cem-precond", "cem-dplr", "cem-full"]
 TUNE_SEEDS = [100, 101]
 MUON_GRID = "train.muon_lr=0.01,0.02,0.04"
+BATCH_KEYS = {"train.batch_size": "batch_size", "train.grad_accum": "grad_accum", "data.seq_len": "seq_len"}
 TUNE_FRACTION = 10  # tuning runs train on 1/10 of the comparison's tokens (docs/study_gpu.md says why)
 
 
@@ -297,9 +298,9 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
         if fresh:  # the sweep's wall time besides reading the corpus, training and analyses, per run
             inside = sum(i["seconds"] + sum(a["seconds"] for a in i["analyses"].values()) for i in manifest["items"])
             overhead += [max(0.0, time.perf_counter() - t0 - scan_s - inside) / len(manifest["items"])]
-        failed = [i["name"] for i in manifest["items"] if i["status"] != "completed"]
-        if failed:
-            sys.exit(f"Error: the probe run {out / 'estimate' / name / failed[0]} did not complete; see its meta.json")
+        failed = [i for i in manifest["items"] if i["status"] != "completed"]
+        if failed:  # e.g. out of memory: lower train.batch_size and raise train.grad_accum (docs/study_gpu.md)
+            sys.exit(f"Error: the probe run {out / 'estimate' / name / failed[0]['run']} failed: {failed[0]['error']}")
         for item in manifest["items"]:
             r = steady_rate(out / "estimate" / name / item["run"])
             rate.setdefault(name, {})[item["arch"]] = r
@@ -311,6 +312,8 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
     if overhead:
         atomic_write_text(saved, json.dumps({"overhead_s": statistics.median(overhead)}))
     overhead_s = json.loads(saved.read_text())["overhead_s"] if saved.is_file() else 0.0
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the lanes need the memory of the first GPU
     return {"rate": rate, "overhead_s": overhead_s, "flops": flops, "analysis_s": analysis_s}
 
 
@@ -417,8 +420,10 @@ def log(out: Path, line: str) -> None:
 def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, argv_of, out: Path, device: str,
              failed: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if device == "cuda":
-        env["CUDA_VISIBLE_DEVICES"] = str(lane)
+    if device == "cuda":  # lane i on the i-th visible GPU (of CUDA_VISIBLE_DEVICES when it is set)
+        gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
+            else [str(i) for i in range(torch_device_count())]
+        env["CUDA_VISIBLE_DEVICES"] = gpus[lane % len(gpus)]
     while True:
         with lock:
             if not queue:
@@ -434,6 +439,12 @@ def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, argv_of, out: 
             if rc:
                 with lock:
                     failed.append(f"{s.dir} (exit {rc}, see {out / s.dir}.log)")
+
+
+def torch_device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def run_all(work: list[Chain], lanes: int, argv_of, out: Path, device: str) -> list[str]:
@@ -509,6 +520,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def absolute(path: str | None) -> str | None:
+    """A path that exists, made absolute: the studies record it, and a rerun from elsewhere finds the same data."""
+    return str(Path(path).resolve()) if path is not None and Path(path).exists() else path
+
+
+def absolute_set(item: str) -> str:
+    key, _, value = item.partition("=")
+    return f"{key}={absolute(value)}" if key == "data.tokenizer" else item
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not (args.yes or args.estimate_only or sys.stdin.isatty()):
@@ -522,24 +543,26 @@ def main(argv: list[str]) -> int:
     from cemtool.config import merge, parse_override
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    lanes = args.gpus or (torch.cuda.device_count() if device == "cuda" else 1)
+    lanes = max(1, args.gpus or (torch.cuda.device_count() if device == "cuda" else 1))
     size = SIZES["tiny" if args.tiny else args.size]
-    if args.tokens:
-        size = dataclasses.replace(size, tokens=size.whole_steps(args.tokens))
+    for key, _, value in (item.partition("=") for item in args.sets):
+        if key in BATCH_KEYS:  # a batch shape given with --set: the budgets are counted in its steps
+            size = dataclasses.replace(size, **{BATCH_KEYS[key]: int(value)})
+    size = dataclasses.replace(size, tokens=size.whole_steps(args.tokens or size.tokens))
     out = Path(args.out).resolve()  # the comparisons record their tuning study's path: the same on every rerun
+    data, target, data_sets = absolute(args.data), absolute(args.to), [absolute_set(v) for v in args.sets]
+    if not (args.tiny and data is None):
+        for what, path in (("--data", data), ("--to", target)):
+            if path is None or not Path(path).exists():
+                print(f"Error: {what} {'is required' if path is None else f'{path} does not exist'} (token files: a "
+                      f".bin/.npy file or a folder with train.bin; --to: the forgetting target, e.g. TinyStories "
+                      f"for OpenWebText as in METHODS §7, in the same tokenizer)", file=sys.stderr)
+                return 2
     out.mkdir(parents=True, exist_ok=True)
-    data, target, data_sets = args.data, args.to, list(args.sets)
     if args.tiny and data is None:
         data, tiny_target, tok = tiny_corpus(out)
         target = target or tiny_target
         data_sets.append(f"data.tokenizer={tok}")
-    if data is None:
-        print("Error: --data is required (token files; --tiny writes its own)", file=sys.stderr)
-        return 2
-    if target is None:
-        print("Error: the forgetting analyses need --to (token files of the same tokenizer, e.g. TinyStories for "
-              "OpenWebText as in METHODS §7)", file=sys.stderr)
-        return 2
     t0 = time.perf_counter()
     vocab = data_vocab(data, data_sets)
     scan_s = time.perf_counter() - t0
@@ -582,4 +605,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from cemtool.errors import CemtoolError
+
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except CemtoolError as e:  # a bad --set, unreadable token files...: one line, as the CLI prints it
+        sys.exit(f"Error: {e}")

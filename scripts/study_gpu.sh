@@ -6,8 +6,8 @@
 #                        [--device auto|cpu|cuda] [--yes] [--estimate-only]
 #   scripts/study_gpu.sh --tiny --device cpu --yes [--out DIR]      the whole pipeline in minutes on a CPU
 #
-# Set CEMTOOL to run another cemtool executable (default: this Python's cemtool).
+# Paths are relative to the current directory. Set CEMTOOL to run another cemtool executable (default: this
+# Python's `python -m cemtool`).
 set -euo pipefail
-cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-exec python scripts/study_gpu.py "$@"
+exec python "$(dirname "$0")/study_gpu.py" "$@"

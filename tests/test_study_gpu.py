@@ -158,3 +158,11 @@ def test_late_lowrank_75_keeps_three_quarters_of_the_budget():
             assert dims == sizes[name]
     four = dataclasses.replace(mod.SIZES["tiny"], n_layer=4, d_model=64, n_head=4)
     assert mod.late_lowrank_75(four) == [16, 16, 10, 6]  # study.sh's model.head_dims for 4 layers of 4 x 16
+
+
+def test_refuses_missing_data_or_target_with_one_line(tmp_path):
+    for args, words in ((["--data", str(tmp_path / "none")], "does not exist"), (["--data", str(tmp_path)], "--to")):
+        res = run("--device", "cpu", "--estimate-only", "--out", str(tmp_path / "s"), *args)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("Error: ") and words in res.stderr and "Traceback" not in res.stderr
+        assert not (tmp_path / "s").exists()
