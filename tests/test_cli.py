@@ -85,6 +85,18 @@ def test_archs_and_config_commands():
     assert "model.cem.steps" in invoke("config", "--fields").stdout
 
 
+def test_archs_sizes_lists_the_architectures_an_allocation_makes_impossible():
+    """Per-layer head sizes rule out LIMe's static router: the table still lists every other architecture."""
+    sets = ["--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.alloc_strategy=late-lowrank"]
+    res = invoke("archs", "--sizes", "--json", *sets)
+    assert res.exit_code == 0, res.output
+    rows = {r["arch"]: r for r in json.loads(res.stdout)}
+    assert "needs one head size" in rows["lime"]["error"] and "params" not in rows["lime"]
+    assert rows["baseline"]["params"] > 0 and rows["baseline"]["layer_shapes"] != ["2x16", "2x16"]
+    res = invoke("archs", "--sizes", *sets, "--arch", "lime")  # asked for by name: the error itself
+    assert res.exit_code == 1 and "needs one head size" in res.output
+
+
 def one_line_error(res, code, *words):
     assert res.exit_code == code, res.output
     lines = [line for line in res.output.strip().splitlines() if line.strip()]

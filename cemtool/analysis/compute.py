@@ -56,8 +56,21 @@ def arch_row(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq
 
 def arch_table(overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64, timed: bool = False,
                only: list[str] | None = None) -> list[dict]:
+    """One row per architecture. Listing every architecture, one that the overrides make impossible (e.g. LIMe's
+    router under per-layer head sizes) gets {"arch", "family", "error"} instead of failing the whole table; named
+    ones (``only``) and a table where none can be built raise."""
+    from cemtool.errors import ConfigError
+
     names = only or sorted(archs(), key=lambda n: (archs()[n].family, n))
-    return [arch_row(n, overrides, vocab, seq_len, timed) for n in names]
+    rows = []
+    for n in names:
+        try:
+            rows.append(arch_row(n, overrides, vocab, seq_len, timed))
+        except ConfigError as e:
+            if only or len(rows) + 1 == len(names) and all("error" in r for r in rows):
+                raise
+            rows.append({"arch": n, "family": archs()[n].family, "error": e.message})
+    return rows
 
 
 def target_size(ref: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> dict:

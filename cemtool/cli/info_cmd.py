@@ -92,6 +92,10 @@ def archs(
         cols.append("s/step")
     body = []
     for r in rows:
+        if "error" in r:  # not buildable with these overrides
+            body.append([r["arch"], r["family"], "-", "-", f"not buildable: {r['error']}", "-", "-",
+                         *(["-"] if time else [])])
+            continue
         line = [r["arch"], r["family"], f"{r['params']:,}", f"{r['non_embedding']:,}",
                 f"{r['attn_budget']} ({' '.join(r['layer_shapes'])})",
                 f"{r['flops_forward']:.3e}", f"{r['flops_train']:.3e}"]
