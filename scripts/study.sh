@@ -15,7 +15,9 @@
 #            one would like without many more repeats), forgetting measured by fine-tuning on Python source code;
 #            tuning seeds 100,101, comparison seeds 0,1,2
 #   saturation  claim 9: cemtool saturation sweep (45 one-layer models)
-#   all      grammar, muon, pydoc, saturation
+#   report   the comparisons and figures (cemtool compare / plot per paper) and the verdict table
+#            (python scripts/findings.py OUT -> OUT/findings.md) from whatever has finished
+#   all      grammar, muon, pydoc, saturation, report
 #
 # Every part is a list of ordinary `cemtool sweep` studies: a tuning study (`--grid`, seeds 100 and 101) and a
 # comparison (`--tuned`, seeds disjoint from the tuning seeds) per group of architectures. The studies run in two
@@ -151,13 +153,32 @@ saturation() {
   $CEMTOOL plot "$OUT/saturation" --no-each-run --quiet
 }
 
+# the comparisons and figures of docs/findings.md, and its verdict table (STUDY/findings.md), from what has finished
+report() {  # report PARTDIR
+  local o=$1 g=()
+  if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: cemtool compare / plot per paper, scripts/findings.py"; return; fi
+  compare_plot() {  # compare_plot NAME STUDY...
+    local name=$1 dirs=(); shift
+    for d in "$@"; do [ -f "$o/$d/study.json" ] && dirs+=("$o/$d"); done
+    [ ${#dirs[@]} -gt 0 ] || return 0
+    $CEMTOOL compare "${dirs[@]}" --out "$o/compare-$name" -q > /dev/null && \
+      $CEMTOOL plot "$o/compare-$name" --no-each-run --quiet > /dev/null || echo "compare-$name: failed" >&2
+  }
+  compare_plot cem core cem baseline-cem-size
+  compare_plot momentum core momentum baseline-wide lane1 lane2
+  compare_plot allocation core early-heavy late-lowrank late-lowrank-75
+  compare_plot lime core baseline-lime-flops depth12
+  python3 scripts/findings.py "$(dirname "$o")" > /dev/null
+}
+
 start=$(date +%s)
 case $PART in
   grammar) grammar ;;
   muon) muon ;;
   pydoc) pydoc ;;
   saturation) saturation ;;
-  all) grammar; muon; pydoc; saturation ;;
-  *) echo "Error: unknown part '$PART' (grammar, muon, pydoc, saturation or all)" >&2; exit 2 ;;
+  report) for d in grammar grammar-muon pydoc; do if [ -d "$OUT/$d" ]; then report "$OUT/$d"; fi; done ;;
+  all) grammar; muon; pydoc; saturation; for d in grammar grammar-muon pydoc; do report "$OUT/$d"; done ;;
+  *) echo "Error: unknown part '$PART' (grammar, muon, pydoc, saturation, report or all)" >&2; exit 2 ;;
 esac
 [ ${#DRY[@]} -gt 0 ] || echo "$(date -u +%FT%TZ) $PART: $(( ($(date +%s) - start) / 60 )) min" >> "$OUT/study.log"
