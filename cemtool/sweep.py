@@ -476,6 +476,8 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
         stored = Plan.from_dict(manifest["plan"])
         if plan is not None and plan != stored:
             added = grid_extension(stored, plan)
+            if added == {}:  # the same values, listed in another order: the same study
+                return Study(out, manifest)
             if added is None:
                 diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
                 raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
@@ -498,7 +500,8 @@ def _value(key: str, v: str) -> str:
 
 def grid_extension(stored: Plan, plan: Plan) -> dict[str, list[str]] | None:
     """The values ``plan`` adds to the grid of ``stored`` ({key: [value, ...]}) when it is otherwise the same plan
-    (same grid keys in the same order, every stored value kept); None when it is not such an extension."""
+    (same grid keys in the same order, every stored value kept); {} when it lists the same values in another order;
+    None when it is not such an extension."""
     if not stored.grid or plan.grid == stored.grid or replace(plan, grid=stored.grid) != stored:
         return None
     old, new = parse_grid(stored.grid), parse_grid(plan.grid)
@@ -512,7 +515,7 @@ def grid_extension(stored: Plan, plan: Plan) -> dict[str, list[str]] | None:
         extra = [v for v in after if _value(key, v) not in have]
         if extra:
             added[key] = extra
-    return added or None
+    return added
 
 
 def _extend(study: Study, plan: Plan, added: dict[str, list[str]]) -> Study:

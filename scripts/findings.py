@@ -503,6 +503,30 @@ def saturation_row(root: Path) -> dict:
             "dirs": [str(root / "saturation")]}
 
 
+def tuning_rows(part_dir: Path) -> list[dict]:
+    """Each tuned architecture's choice (tune/*/selection.json, written when its comparison was planned)."""
+    rows = []
+    for sel_path in sorted(part_dir.glob("tune/*/selection.json")):
+        sel = json.loads(sel_path.read_text())
+        for arch, a in sel["archs"].items():
+            means = {" ".join(f"{v}" for v in p["point"].values()): p["mean_val_loss"] for p in a["points"]}
+            rows.append({"group": sel_path.parent.name, "arch": arch, "grid": "; ".join(sel["grid"]),
+                         "chosen": " ".join(a["overrides"]), "at_edge": bool(a.get("at_edge")),
+                         "means": means})
+    return rows
+
+
+def tuning_markdown(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    out = ["Learning rates chosen on the tuning seeds (mean final validation loss per grid value; * = the choice is at "
+           "the grid's edge):", "", "| group | arch | chosen | mean val loss per value |", "|---|---|---|---|"]
+    for r in rows:
+        means = ", ".join(f"{k}: {'–' if v is None else f'{v:.4f}'}" for k, v in r["means"].items())
+        out.append(f"| {r['group']} | {r['arch']} | {r['chosen']}{' *' if r['at_edge'] else ''} | {means} |")
+    return out + [""]
+
+
 def main(argv: list[str]) -> int:
     root = Path(argv[1] if len(argv) > 1 else "runs/findings")
     out, md = {}, [f"# Findings from {root}", ""]
@@ -520,6 +544,8 @@ def main(argv: list[str]) -> int:
         md += [f"- **{r['claim'].split('.')[0]}.** {r['detail']} (`cemtool compare {' '.join(r['dirs'])}`)"
                for r in rows if r["detail"]]
         md += ["", "Runs per group: " + ", ".join(f"{k} {v}" for k, v in out[name]["groups"].items()), ""]
+        out[name]["tuning"] = tuning_rows(part.root)
+        md += tuning_markdown(out[name]["tuning"])
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)
         return 1

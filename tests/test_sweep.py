@@ -298,6 +298,10 @@ def test_extending_a_grid_keeps_every_finished_run(tmp_path):
     assert ext["added"] == {"train.lr": ["3e-2"]} and ext["runs_added"] == 4
     assert study.notes == ["extending the study's grid (train.lr + 3e-2): 4 new run(s); the 12 planned before are "
                            "kept (finished ones are not redone)"]
+    study.save()
+    reordered = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE,
+                          grid=["train.lr=3e-2,1e-2,3e-3,1e-3"])          # the same values, in another order
+    assert open_study(out, reordered).plan == study.plan
     for grid in (["train.lr=3e-3,1e-2,3e-2"],                               # drops a value
                  ["train.lr=1e-3,3e-3,1e-2", "model.mlp=gelu,swiglu"]):     # adds a key
         with pytest.raises(CemtoolError, match="planned with other settings"):
