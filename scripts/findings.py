@@ -461,30 +461,44 @@ def routing_shares(run: str) -> tuple[list[float], list[float]] | None:
     return routing["layers"][-1]["share"], init["layers"][-1]["share"]
 
 
-def claim14(p: Part) -> dict:
-    shares = [s for r in p.runs("lime") if (s := routing_shares(r["run"]))]
+def _share_profile(p: Part, study: str | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """(trained, init) shares of the last layer's router by source layer, one row per seed."""
+    shares = [s for r in p.runs("lime", study) if (s := routing_shares(r["run"]))]
     if len(shares) < 2:
+        return None
+    return np.array([s[0] for s in shares]), np.array([s[1] for s in shares])  # (seeds, L) each
+
+
+def _profile_text(trained: np.ndarray, init: np.ndarray) -> str:
+    return " / ".join(f"{m:.3f}±{s:.3f} (init {i:.3f})" for m, s, i in
+                      zip(trained.mean(0), trained.std(0, ddof=1), init.mean(0), strict=True))
+
+
+def claim14(p: Part) -> dict:
+    prof = _share_profile(p, None)
+    if prof is None:
         return {"claim": CLAIM14, "paper": PAPER14, "ours": "not run yet", "verdict": "not run yet", "detail": "",
                 "dirs": []}
-    trained, init = np.array([s[0] for s in shares]), np.array([s[1] for s in shares])  # (seeds, L)
+    trained, init = prof
     L = trained.shape[1]
     local = paired(list(trained[:, L - 2] - init[:, L - 2]))  # the layer just below
-    far = paired(list(trained[:, : L - 2].sum(1) - init[:, : L - 2].sum(1)))  # every layer further down
-    earlier = paired(list(trained[:, : L - 1].sum(1) - init[:, : L - 1].sum(1)))
+    far = paired(list(trained[:, 0] - init[:, 0]))  # the first layer: the most distant features
     if far["lo"] > 0 and local["lo"] > 0:
         verdict = "reproduced"
-    elif earlier["lo"] > 0 or far["lo"] > 0 or local["lo"] > 0:
-        verdict = "mixed (reuse grows in one range only)"
+    elif far["lo"] > 0 or local["lo"] > 0:
+        where = "the first layer" if far["lo"] > 0 else "the layer below"
+        verdict = f"mixed (more weight than at initialisation on {where} only)"
     else:
         verdict = "not reproduced (no more weight on earlier layers than at initialisation)"
-    prof = " / ".join(f"{m:.3f}±{s:.3f}" for m, s in zip(trained.mean(0), trained.std(0, ddof=1), strict=True))
-    prof0 = " / ".join(f"{m:.3f}" for m in init.mean(0))
+    deep = _share_profile(p, "depth12")
+    deep_text = f"; at depth 12: {_profile_text(*deep)}" if deep is not None else ""
     return {"claim": CLAIM14, "paper": PAPER14,
-            "ours": f"last layer's router, share on layer L-2 minus at init {ci(local)}; on layers ≤ L-3 {ci(far)} "
-                    f"({len(shares)} seeds, paired)",
+            "ours": f"last layer's router, share of |W| on layer 0 minus at init {ci(far)}; on layer L-2 {ci(local)} "
+                    f"({trained.shape[0]} seeds, paired)",
             "verdict": verdict,
-            "detail": f"share of |W| by source layer 0..{L - 1}, trained {prof}; at initialisation {prof0}",
-            "dirs": p.dirs(("lime", None))}
+            "detail": f"share of |W| of the last layer's router by source layer 0..{L - 1} (the last is its own "
+                      f"layer), mean ± std over seeds: {_profile_text(trained, init)}{deep_text}",
+            "dirs": p.dirs(("lime", None), ("lime", "depth12"))}
 
 
 CLAIM14 = "14. Routing reuses local and long-distance features systematically"
