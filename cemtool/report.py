@@ -218,8 +218,10 @@ def run_settings(config: dict, family: str | None = None) -> dict[str, Any]:
 
 
 def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
-    """One label per run for its group (same settings apart from the seed): the architecture name, plus up to three
-    of the settings that tell apart groups sharing that name, e.g. ``baseline[model.mlp_hidden=224]``."""
+    """One label per run for its group (same settings apart from the seed): the architecture name, plus the
+    settings that tell apart groups sharing that name, e.g. ``baseline[model.mlp_hidden=224]``: chosen greedily (the
+    setting that tells the group from the most others first, ties by name) until no other group of the name is
+    left, so two groups never share a label and labels stay short."""
     keys = [json.dumps(s, sort_keys=True, default=str) for s in settings]
     by_arch: dict[str, list[str]] = {}
     for a, k in zip(archs, keys, strict=True):
@@ -232,8 +234,12 @@ def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
                 label_of[(a, k)] = a
                 continue
             mine = json.loads(k)
-            others = [json.loads(o) for o in ks if o != k]
-            diff = sorted(name for name in set(mine) | {n for o in others for n in o}
-                          if any(o.get(name) != mine.get(name) for o in others))
-            label_of[(a, k)] = f"{a}[{','.join(f'{n}={mine.get(n)}' for n in diff[:3])}]"
+            left = [json.loads(o) for o in ks if o != k]  # groups not yet told apart
+            chosen: list[str] = []
+            while left:
+                names = sorted({n for o in left for n in (set(o) | set(mine)) if o.get(n) != mine.get(n)})
+                best = max(names, key=lambda n: (sum(o.get(n) != mine.get(n) for o in left), -names.index(n)))
+                chosen.append(best)
+                left = [o for o in left if o.get(best) == mine.get(best)]
+            label_of[(a, k)] = f"{a}[{','.join(f'{n}={mine.get(n)}' for n in sorted(chosen))}]"
     return [label_of[(a, k)] for a, k in zip(archs, keys, strict=True)]

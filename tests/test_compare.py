@@ -217,6 +217,14 @@ def test_group_labels():
     assert group_labels(["p", "p", "q"], [a, a, b]) == ["p", "p", "q"]
     assert group_labels(["p", "p", "p"], [a, b, a]) == ["p[y=2]", "p[y=3]", "p[y=2]"]
     assert group_labels(["p", "p"], [a, c]) == ["p[z=None]", "p[z=0]"]  # a key only one group has
+    # three groups of one name that differ in four settings: the label names what tells each apart, and never two
+    # groups alike (the first three sorted differences alone would merge the first two: the bug this pins)
+    g1 = {"a": 1, "b": 1, "c": 1, "t": 100}
+    g2 = {"a": 1, "b": 1, "c": 1, "t": 200}
+    g3 = {"a": 2, "b": 2, "c": 2, "t": 100}
+    labels = group_labels(["p"] * 3, [g1, g2, g3])
+    assert len(set(labels)) == 3
+    assert labels == ["p[a=1,t=100]", "p[t=200]", "p[a=2]"]
 
 
 def test_several_targets_need_a_choice(tmp_path):
