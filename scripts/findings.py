@@ -230,6 +230,8 @@ def claim2(p: Part) -> dict:
         verdict = "reproduced"
     elif d_rec["hi"] < 0:
         verdict = "mixed (both help; recursion not resolved as better)"
+    elif d_rp["hi"] < 0:
+        verdict = "mixed (recursion beats the preconditioner, but no gain over plain cem is resolved)"
     else:
         verdict = "not reproduced (recursion's gain not resolved)"
     return {"claim": "2. Recursion (cem-rec2) helps more consistently than the preconditioner (cem-precond)",
