@@ -310,7 +310,17 @@ def select(tuning: str | Path, archs: list[str] | tuple | None = None, final_see
     if left:
         raise CemtoolError(f"{path} is not finished ({len(left)} run(s) left, e.g. {left[0]})",
                            hint=f"continue it first: cemtool sweep --resume {path}")
-    chosen = {a: _select_arch(a, plan, items) for a in archs}
+    # every finished architecture of the study goes into selection.json (a comparison of some of them must not
+    # erase the others' choice); the ones asked for must be finished (checked above)
+    chosen = {}
+    for a in plan.archs:
+        if a in archs:
+            chosen[a] = _select_arch(a, plan, items)
+        elif all(it["status"] in ("completed", "failed") for it in items if it["arch"] == a):
+            try:
+                chosen[a] = _select_arch(a, plan, items)
+            except CemtoolError:  # not asked for, and nothing to choose: left out
+                pass
     selection = {"schema_version": SCHEMA_VERSION, "kind": "cemtool-selection",
                  "rule": "lowest mean final validation loss over the tuning seeds", "grid": list(plan.grid),
                  "tuning_seeds": list(plan.seeds), "tokens": plan.tokens, "data": plan.data,

@@ -269,6 +269,10 @@ def test_selection_takes_the_lowest_mean_over_tuning_seeds(tmp_path):
     assert means[0] == pytest.approx(2.5) and means[2] is None and base["points"][2]["failed"] == 1
     assert tmm["chosen"] == {"train.lr": "1e-3"}                        # 2.3 == 2.3: the earlier grid point
     assert [p["seeds"] for p in tmm["points"]] == [[10, 11]] * 3
+    # choosing for one architecture keeps the other's choice in selection.json (a later comparison of some
+    # architectures must not erase what the others were compared at)
+    assert select(out, archs=["tmm"])["archs"]["baseline"] == base
+    assert json.loads((out / "selection.json").read_text())["archs"]["baseline"] == base
 
 
 def test_choice_at_the_grid_edge_is_flagged(tmp_path):

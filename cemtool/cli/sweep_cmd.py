@@ -79,10 +79,13 @@ def print_study(manifest: dict, path: Path) -> None:
     console.result(f"study: {path / 'study.json'} ({manifest['status']}); compare with: cemtool compare {path}")
 
 
-def print_selection(selection: dict, tuning: Path) -> None:
-    """Every grid point of every architecture with its mean final validation loss; the chosen one marked."""
+def print_selection(selection: dict, tuning: Path, archs: list[str] | tuple | None = None) -> None:
+    """Every grid point of every architecture (of ``archs``, default all) with its mean final validation loss; the
+    chosen one marked."""
     rows = []
     for arch, a in selection["archs"].items():
+        if archs is not None and arch not in archs:
+            continue
         for p in a["points"]:
             point = " ".join(f"{k}={v}" for k, v in p["point"].items())
             rows.append([arch, point, _fmt(p["mean_val_loss"]), _fmt(p["std_val_loss"]), len(p["seeds"]),
@@ -180,7 +183,7 @@ def sweep(
                                                       data=data, overrides=set_,
                                                       analyses=analyses, target=to, options=options)
             if not json_:
-                print_selection(selection, tuned)
+                print_selection(selection, tuned, plan.archs)
             for note in notes:
                 console.info(f"Note: {note}")
         else:
