@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -344,8 +345,10 @@ def claim7(p: Part) -> dict:
 
 
 def claim8(p: Part) -> dict:
-    pairs = [(r["trace_per_param"], r["forgetting"]) for rs in p.groups.values() for r in rs
-             if r.get("trace_per_param") is not None and r.get("forgetting") is not None]
+    both = {k: [r for r in rs if r.get("trace_per_param") is not None and r.get("forgetting") is not None]
+            for k, rs in p.groups.items()}
+    pairs = [(r["trace_per_param"], r["forgetting"]) for rs in both.values() for r in rs]
+    groups = ", ".join(f"{s}/{a} ({len(rs)})" for (s, a), rs in sorted(both.items()) if rs)
     if len(pairs) < 3:
         return {"claim": CLAIM8, "paper": "Spearman 0.93", "ours": "not run yet", "verdict": "not run yet",
                 "detail": "", "dirs": []}
@@ -357,9 +360,9 @@ def claim8(p: Part) -> dict:
         verdict = f"reproduced in direction (ρ = {rho:.2f}, weaker than 0.93)"
     return {"claim": CLAIM8, "paper": "Spearman 0.93",
             "ours": f"Spearman ρ(tr(H)/n, forgetting) = {rho:.2f} (p = {pv:.1e}, {len(pairs)} runs)",
-            "verdict": verdict, "detail": "every run of the part with both a sharpness and a forgetting report",
-            "dirs": sorted({str(Path(r["run"]).parent) for rs in p.groups.values() for r in rs
-                            if r.get("forgetting") is not None})}
+            "verdict": verdict, "detail": f"every run of the part with both a sharpness and a forgetting report: "
+                                          f"{groups}",
+            "dirs": sorted({os.path.relpath(Path(r["run"]).parent) for rs in both.values() for r in rs})}
 
 
 CLAIM8 = "8. Sharpness predicts forgetting"
