@@ -174,12 +174,9 @@ def mean_sd(v: list[float], digits: int = 4) -> str:
     return f"{np.mean(v):.{digits}f}{sd} (n={len(v)})"
 
 
-def below(d: dict | None) -> bool | None:
-    return None if d is None else d["hi"] < 0
-
-
-def above(d: dict | None) -> bool | None:
-    return None if d is None else d["lo"] > 0
+def pending(claim: str, paper: str) -> dict:
+    """The row of a claim whose groups have not finished."""
+    return {"claim": claim, "paper": paper, "ours": "not run yet", "verdict": "not run yet", "detail": "", "dirs": []}
 
 
 def direction(d: dict | None, better_below: bool = True) -> str:
@@ -263,8 +260,7 @@ def claim4(p: Part) -> dict:
     field = {a: p.values("val_loss", a) for a in ["baseline", *MOMENTUM]}
     field = {a: v for a, v in field.items() if len(v) >= 2}
     if "tmm" not in field or len(field) < 2:
-        return {"claim": CLAIM4, "paper": PAPER4, "ours": "not run yet", "verdict": "not run yet", "detail": "",
-                "dirs": []}
+        return pending(CLAIM4, PAPER4)
     ranked = sorted(field, key=lambda a: np.mean(field[a]))
     best_other = next(a for a in ranked if a != "tmm")
     d_best, d_van = diff(field["tmm"], field[best_other]), diff(field["tmm"], field.get("baseline", []))
@@ -350,8 +346,7 @@ def claim8(p: Part) -> dict:
     pairs = [(r["trace_per_param"], r["forgetting"]) for rs in both.values() for r in rs]
     groups = ", ".join(f"{s}/{a} ({len(rs)})" for (s, a), rs in sorted(both.items()) if rs)
     if len(pairs) < 3:
-        return {"claim": CLAIM8, "paper": "Spearman 0.93", "ours": "not run yet", "verdict": "not run yet",
-                "detail": "", "dirs": []}
+        return pending(CLAIM8, "Spearman 0.93")
     s = spearman([a for a, _ in pairs], [b for _, b in pairs])
     rho, pv = s["rho"], s["p"]
     verdict = "reproduced" if rho is not None and rho > 0 and pv < 0.05 else \
@@ -482,8 +477,7 @@ def _profile_text(trained: np.ndarray, init: np.ndarray) -> str:
 def claim14(p: Part) -> dict:
     prof = _share_profile(p, None)
     if prof is None:
-        return {"claim": CLAIM14, "paper": PAPER14, "ours": "not run yet", "verdict": "not run yet", "detail": "",
-                "dirs": []}
+        return pending(CLAIM14, PAPER14)
     trained, init = prof
     L = trained.shape[1]
     local = paired(list(trained[:, L - 2] - init[:, L - 2]))  # the layer just below

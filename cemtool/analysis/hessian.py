@@ -278,13 +278,17 @@ class Objective:
 
     def gradient(self) -> tuple[float, torch.Tensor]:
         """(L(w), grad L(w) flat (n,) float64)."""
+        self.gradients += 1
+        return self._gradient()
+
+    def _gradient(self) -> tuple[float, torch.Tensor]:
+        """(L(w), grad L(w)) summed over the batches and ranks, not counted as a gradient pass."""
         total, g = 0.0, torch.zeros(self.n, dtype=torch.float64, device=self.device)
         with self._context(grad=True):
             for b in range(len(self.batches)):
                 loss = self._batch_loss(b)
                 g += self.flat(list(torch.autograd.grad(loss, self.params, allow_unused=True)))
                 total += float(loss.detach())
-        self.gradients += 1
         return self._sum(total), all_reduce_sum(g)
 
     def _first_order_graph(self, b: int) -> list[torch.Tensor | None]:
@@ -355,8 +359,7 @@ class Objective:
         grads = []
         for sign in (1.0, -1.0):
             with self.shifted(sign * h * v):
-                grads.append(self.gradient()[1])  # (n,) float64, summed over the ranks
-        self.gradients -= 2  # counted as one HVP, not as passes of their own
+                grads.append(self._gradient()[1])  # (n,) float64, summed over the ranks: part of one HVP
         self.hvps += 1
         return (grads[0] - grads[1]) / (2.0 * h)
 
