@@ -272,6 +272,23 @@ RUN_SUBDIRS = ("checkpoints", "reports", "plots")
 RUN_FILES = ("config.json", "meta.json", "metrics.jsonl", "tokenizer.json", "report.md")
 
 
+def open_lock_file(p: Path) -> int:
+    """Open (create) the lock file ``p`` for flock without following links: a planted symlink, hard link or
+    special file is refused, never written through. The one way cemtool opens a lock file."""
+    try:
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links it did not make",
+                               hint="remove the link") from None
+        raise os_error(e, p, "lock") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise CemtoolError(f"{p} is not a plain file (a link or a special file)", hint="remove it")
+    return fd
+
+
 @dataclass
 class Run:
     """A run directory opened for writing (holds its lock) or for reading."""
@@ -303,18 +320,7 @@ class Run:
     def lock(self) -> None:
         """Take the run's exclusive lock (released automatically if the process dies). The lock file is opened
         without following links: a planted ``.lock`` symlink is refused, never written through."""
-        p = self.path / ".lock"
-        try:
-            fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links inside a run directory",
-                                   hint="remove the link") from None
-            raise os_error(e, p, "lock") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            os.close(fd)
-            raise CemtoolError(f"{p} is not a plain file (a link or a special file)", hint="remove it")
+        fd = open_lock_file(self.path / ".lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -49,9 +49,11 @@ locked while a sweep runs in it.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import json
 import math
+import os
 import re
 import statistics
 import sys
@@ -65,7 +67,7 @@ import torch
 from cemtool.config import RunConfig, parse_override, resolve, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.errors import CemtoolError
-from cemtool.runs import Run, atomic_write_json, create_run, is_run, now, open_run, read_json
+from cemtool.runs import Run, atomic_write_json, create_run, is_run, now, open_lock_file, open_run, read_json
 
 Callback = Callable[[dict], None]
 SCHEMA_VERSION = 1
@@ -460,10 +462,33 @@ class Study:
         self.manifest = manifest
         self.plan = Plan.from_dict(manifest["plan"])
         self.notes: list[str] = []  # what opening it changed (a grid extension), for the caller to say
+        self.owned: set[str] | None = None  # a worker of --jobs: the items it writes (None: the whole manifest)
 
     def save(self) -> None:
         self.manifest["updated"] = now()
-        atomic_write_json(self.path / "study.json", self.manifest)
+        if self.owned is None:
+            atomic_write_json(self.path / "study.json", self.manifest)
+        else:
+            self.sync(write=True)
+
+    def sync(self, write: bool = False) -> None:
+        """A worker's view of the shared manifest: under the manifest lock, read study.json, keep this worker's own
+        items from memory (the same dicts) and the others' from the file; write the result back if ``write``."""
+        fd = open_lock_file(self.path / ".manifest.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            disk = read_json(self.path / "study.json", "study manifest")
+            mine = {it["name"]: it for it in self.manifest["items"] if it["name"] in (self.owned or ())}
+            disk["items"] = [mine.get(it["name"], it) for it in disk["items"]]
+            if write:
+                disk["updated"] = self.manifest["updated"]
+                atomic_write_json(self.path / "study.json", disk)
+            self.manifest = disk
+        finally:
+            os.close(fd)  # closing releases the lock
+
+    def item(self, name: str) -> dict:
+        return next(it for it in self.manifest["items"] if it["name"] == name)
 
 
 def new_manifest(plan: Plan) -> dict:
@@ -549,14 +574,19 @@ def _extend(study: Study, plan: Plan, added: dict[str, list[str]]) -> Study:
 
 
 def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.device | None = None,
-              callback: Callback | None = None) -> dict:
+              callback: Callback | None = None, jobs: int = 1) -> dict:
     """Run (or continue) the study in ``out`` and return its manifest. ``plan`` None: continue as stored.
 
     ``callback`` receives the training loop's events with ``item`` added, and ``{"kind": "item", "item", "index",
     "total", "status"}`` / ``{"kind": "analysis", "item", "analysis", "status", "error"}``. Ctrl-C (or an
-    interrupted training) marks the item interrupted, saves the manifest and raises KeyboardInterrupt."""
+    interrupted training) marks the item interrupted, saves the manifest and raises KeyboardInterrupt.
+
+    ``jobs`` > 1: that many worker processes share the items (see :func:`_run_workers`); the callback then gets
+    the item and analysis events (not the training steps), read from the manifest as the workers write it."""
     from cemtool.train import pick_device
 
+    if not isinstance(jobs, int) or jobs < 1:
+        raise CemtoolError(f"--jobs must be a whole number >= 1, not {jobs!r}")
     study = open_study(out, plan)
     for note in study.notes:
         if callback is not None:
@@ -568,35 +598,203 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
     try:
         study.manifest["status"] = "running"
         study.save()
-        items = study.manifest["items"]
-        for index, item in enumerate(items):
-            def emit(ev: dict, name: str = item["name"]) -> None:
-                if callback is not None:
-                    callback({**ev, "item": name})
+        if jobs > 1:
+            study = _run_workers(study, device, dev, jobs, callback)
+        else:
+            items = study.manifest["items"]
+            for index, item in enumerate(items):
+                def emit(ev: dict, name: str = item["name"]) -> None:
+                    if callback is not None:
+                        callback({**ev, "item": name})
 
-            emit({"kind": "item", "index": index, "total": len(items), "status": "start"})
-            try:
-                _train_item(study, item, dev, corpora, emit)
-                if item["status"] == "completed":
-                    for name in study.plan.analyses:
-                        _analyse(study, item, name, dev, emit)
-            except KeyboardInterrupt:
-                if item["status"] == "running":
-                    item["status"] = "interrupted"
-                for a in item.get("analyses", {}).values():
-                    if a["status"] == "running":
-                        a["status"] = "interrupted"
-                study.manifest["status"] = "interrupted"
-                study.save()
-                raise
-            emit({"kind": "item", "index": index, "total": len(items), "status": item["status"]})
-        done = all(i["status"] == "completed" and all(a["status"] == "completed" for a in i["analyses"].values())
-                   for i in items)
-        study.manifest["status"] = "completed" if done else "incomplete"
+                emit({"kind": "item", "index": index, "total": len(items), "status": "start"})
+                _do_item(study, item, dev, corpora, emit)
+                emit({"kind": "item", "index": index, "total": len(items), "status": item["status"]})
+        study.manifest["status"] = "completed" if all(_finished(it) for it in study.manifest["items"]) \
+            else "incomplete"
         study.save()
     finally:
         lock.unlock()
     return study.manifest
+
+
+def _finished(item: dict) -> bool:
+    return item["status"] == "completed" and all(a["status"] == "completed" for a in item["analyses"].values())
+
+
+def _do_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
+    """Train one item (or continue or skip it), then run its analyses; a Ctrl-C marks it interrupted."""
+    try:
+        _train_item(study, item, dev, corpora, emit)
+        if item["status"] == "completed":
+            for name in study.plan.analyses:
+                _analyse(study, item, name, dev, emit)
+    except KeyboardInterrupt:
+        if item["status"] == "running":
+            item["status"] = "interrupted"
+        for a in item.get("analyses", {}).values():
+            if a["status"] == "running":
+                a["status"] = "interrupted"
+        if study.owned is None:
+            study.manifest["status"] = "interrupted"
+        study.save()
+        raise
+
+
+# -- parallel workers (--jobs) -------------------------------------------------------------------------------------
+
+def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.device, jobs: int,
+                 callback: Callback | None) -> Study:
+    """Train the study's items in ``jobs`` worker processes (spawned, so CUDA works in each). A worker claims an
+    item by an flock on ``.claims/<item>`` (released if it dies), trains and analyses it exactly as the serial
+    runner does (the same seeds, so the same numbers), and writes only its own items into study.json, under a
+    lock. An item is tried once per sweep: a worker marks its claim file with this sweep's id when done, so a
+    failure is not retried by the next worker. Each worker runs torch with cpu_count // jobs threads unless
+    OMP_NUM_THREADS is set; on CUDA asked as ``auto`` or ``cuda`` the workers go round the visible GPUs. Each
+    run checks its memory against what is free when it starts, so the workers' runs started before it count.
+    Ctrl-C or SIGTERM stops the workers, which mark their items interrupted; a worker also stops when this
+    process dies. Returns the study as the workers left it."""
+    import multiprocessing as mp
+    import signal
+    import uuid
+
+    todo = [it["name"] for it in study.manifest["items"] if not _finished(it)]
+    n = min(jobs, len(todo))
+    claims = study.path / ".claims"
+    if claims.is_symlink():
+        raise CemtoolError(f"{claims} is a symbolic link: cemtool does not follow links it did not make",
+                           hint="remove the link")
+    claims.mkdir(exist_ok=True)
+    devices = [dev] * n
+    if dev.type == "cuda" and (asked is None or str(asked) in ("auto", "cuda")) and torch.cuda.device_count() > 1:
+        devices = [torch.device("cuda", k % torch.cuda.device_count()) for k in range(n)]
+    threads = None if os.environ.get("OMP_NUM_THREADS") else max(1, (os.cpu_count() or 1) // jobs)
+    if callback is not None:
+        said = f"{n} workers" + (f" (--jobs {jobs}, but only {len(todo)} items are left)" if n < jobs else "")
+        said += f" on {', '.join(sorted({str(d) for d in devices}))}"
+        said += f", {threads} torch thread(s) each" if threads else ", torch threads from OMP_NUM_THREADS"
+        callback({"kind": "note", "item": None, "text": said})
+    if n == 0:
+        return study
+    sweep_id = uuid.uuid4().hex
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(str(study.path), str(devices[k]), threads, sweep_id, os.getpid()),
+                         name=f"cemtool-sweep-worker-{k}") for k in range(n)]
+
+    def stop(signum, frame):  # SIGTERM to this process: stop the workers the way Ctrl-C does
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, stop)
+    seen: dict[str, tuple] = {}
+    study = _progress(study, seen, None)  # the states before the workers start
+    try:
+        for p in procs:
+            p.start()
+        while any(p.is_alive() for p in procs):
+            time.sleep(1.0)
+            study = _progress(study, seen, callback)
+    except KeyboardInterrupt:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: the worker marks its item interrupted and exits
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+        study.sync()
+        study.manifest["status"] = "interrupted"
+        atomic_write_json(study.path / "study.json", study.manifest)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    study = _progress(study, seen, callback)
+    bad = [p.exitcode for p in procs if p.exitcode != 0]
+    if bad:
+        raise CemtoolError(f"{len(bad)} of {n} sweep workers stopped with an error (exit codes "
+                           f"{', '.join(map(str, bad))}; their messages are above)",
+                           hint="rerun the same command to continue the study")
+    return study
+
+
+def _progress(study: Study, seen: dict, callback: Callback | None) -> Study:
+    """Reread study.json (as the workers leave it) and tell the callback what changed since the last look."""
+    study.sync()
+    items = study.manifest["items"]
+    for index, it in enumerate(items):
+        state = (it["status"], tuple(a["status"] for a in it["analyses"].values()))
+        old, seen[it["name"]] = seen.get(it["name"]), state
+        if callback is None or old is None or old == state:
+            continue
+        if it["status"] != old[0] and it["status"] in ("running", "completed", "failed", "interrupted"):
+            callback({"kind": "item", "item": it["name"], "index": index, "total": len(items),
+                      "status": "start" if it["status"] == "running" else it["status"]})
+        for (name, a), was in zip(it["analyses"].items(), old[1], strict=True):
+            if a["status"] != was and a["status"] in ("completed", "failed"):
+                callback({"kind": "analysis", "item": it["name"], "analysis": name, "status": a["status"],
+                          "error": a.get("error")})
+    return study
+
+
+def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: int) -> None:
+    """One worker process of :func:`_run_workers` (the spawn target)."""
+    import signal
+
+    def stop(signum, frame):  # stop once: a second signal must not cut short the saving of the item's state
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:  # Linux: a SIGTERM when the parent dies (a kill -9 of the sweep leaves no worker behind)
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        _work(Path(path), torch.device(device), sweep_id, parent)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except CemtoolError as e:
+        sys.stderr.write(f"Error: {e.message}\n" + (f"Hint: {e.hint}\n" if e.hint else ""))
+        sys.exit(1)
+    except Exception as e:  # noqa: BLE001 - one line, never a traceback (CEMTOOL_DEBUG=1 shows it)
+        if os.environ.get("CEMTOOL_DEBUG", "") not in ("", "0"):
+            raise
+        sys.stderr.write(f"Error: sweep worker: internal error ({type(e).__name__}: {e})\n")
+        sys.exit(1)
+
+
+def _work(path: Path, dev: torch.device, sweep_id: str, parent: int) -> None:
+    """Claim, train and analyse items until none is left to this sweep."""
+
+    study = Study(path, read_json(path / "study.json", "study manifest"))
+    study.owned = set()
+    corpora: dict[str, object] = {}
+    for name in [it["name"] for it in study.manifest["items"]]:
+        if os.getppid() != parent:
+            raise KeyboardInterrupt  # the sweep that started this worker is gone
+        fd = open_lock_file(path / ".claims" / name)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # another worker has it
+            if os.pread(fd, 64, 0).decode(errors="replace").strip() == sweep_id:
+                continue  # tried in this sweep already
+            study.sync()
+            item = study.item(name)
+            if not _finished(item):
+                study.owned.add(name)
+                _do_item(study, item, dev, corpora, lambda ev: None)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, sweep_id.encode(), 0)
+        finally:
+            study.owned.discard(name)
+            os.close(fd)
 
 
 def _corpus(cfg: RunConfig, corpora: dict):

@@ -24,7 +24,9 @@
 # same command after an interruption (or in a later session) finishes the study without redoing anything.
 # Measured wall time is written in docs/findings.md. --dry-run prints the runs each study would train.
 #
-# Set CEMTOOL to run another cemtool executable (default: the one on PATH).
+# Set CEMTOOL to run another cemtool executable (default: the one on PATH), and STUDY_JOBS=N to train N items of
+# each study at once (`cemtool sweep --jobs N`, one torch thread each: 2 lanes x N processes; the numbers are the
+# same as one at a time).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -35,6 +37,7 @@ PART=${1:?usage: scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]}
 OUT=${2:-runs/findings}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
+JOBS=(); [ "${STUDY_JOBS:-1}" = 1 ] || JOBS=(--jobs "$STUDY_JOBS")
 
 TUNE_SEEDS=100,101
 LR_GRID=train.lr=1e-3,3e-3,1e-2,3e-2  # (the runs of docs/findings.md were tuned over part of it first, then extended)
@@ -53,7 +56,7 @@ sweep() {  # sweep DIR ARGS...
     $CEMTOOL sweep "$@" --out "$dir" --dry-run; return 0
   fi
   echo "$(date -u +%FT%TZ) start $dir" >> "$OUT/study.log"
-  if $CEMTOOL sweep "$@" --out "$dir" --quiet > "$dir.log" 2>&1; then
+  if $CEMTOOL sweep "$@" --out "$dir" --quiet "${JOBS[@]}" > "$dir.log" 2>&1; then
     echo "$(date -u +%FT%TZ) done  $dir" >> "$OUT/study.log"
   else
     echo "$(date -u +%FT%TZ) exit $? $dir (see $dir.log)" >> "$OUT/study.log"

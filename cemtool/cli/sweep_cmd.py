@@ -144,6 +144,9 @@ def sweep(
     resume: Annotated[Optional[Path], typer.Option(help="continue the study in this directory as it was planned")]
     = None,
     device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")] = "auto",
+    jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, max=512, help="train this many items at once, "
+                                      "each in its own process (on CUDA they share the GPU, or go round the "
+                                      "GPUs); the numbers are the same as one at a time")] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print study.json")] = False,
 ) -> None:
@@ -197,7 +200,7 @@ def sweep(
                 print_plan(new_manifest(plan), path)
             return
     with SweepReporter(quiet) as rep:
-        manifest = run_sweep(path, plan, device=device, callback=rep)
+        manifest = run_sweep(path, plan, device=device, callback=rep, jobs=jobs)
     if json_:
         console.print_json(manifest)
     else:
