@@ -129,7 +129,47 @@ def main() -> int:
     base = sizes + train_overrides(args) + [f"train.precision={precision}"]
     compiles = [False] if args.no_compile else [False, True]
 
-    train_rows = []
+    train_rows: list[dict] = []
+    analysis_rows: list[dict] = []
+    ddp_rows: list[dict] = []
+    attn: list[dict] = []
+
+    def write(done: bool) -> str:
+        """The table (and gpu_check.json) from the rows so far: written after every step, so a run cut short by a
+        time limit still leaves what it measured."""
+        lines = [f"# GPU check: {info['device']} ({n_gpu} GPU), torch {info['torch']}, "
+                 f"{'tiny' if args.tiny else '~25M'} models, {precision}", "",
+                 f"Measured matmul peak ({str(peak_dtype).replace('torch.', '')}): {peak / 1e12:.2f} TFLOP/s", "",
+                 "| arch | compile | params | tokens/s | MFU | wall s | status |", "|---|---|---|---|---|---|---|"]
+        for r in train_rows:
+            lines.append(f"| {r['arch']} | {r['compile']} | {r['params'] or '-'} | "
+                         f"{r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['wall_s']:.1f} | ok |" if r["rc"] == 0 else
+                         f"| {r['arch']} | {r['compile']} | - | - | - | {r['wall_s']:.1f} | failed |")
+        lines += ["", "| arch | analysis | wall s | λ_max | converged | status |", "|---|---|---|---|---|---|"]
+        for r in analysis_rows:
+            lam = f"{r['lambda_max']:.4g}" if r.get("lambda_max") is not None else "-"
+            lines.append(f"| {r['arch']} | {r['analysis']} | {r['wall_s']:.1f} | {lam} | {r.get('converged', '-')} | "
+                         f"{'ok' if r['rc'] == 0 else 'failed'} |")
+        if ddp_rows:
+            lines += ["", "| multi-GPU | tokens/s | wall s | status |", "|---|---|---|---|"]
+            lines += [f"| {r['what']} | {r['tokens_per_s'] or '-'} | {r['wall_s']:.1f} | "
+                      f"{'ok' if r['rc'] == 0 else 'failed'} |" for r in ddp_rows]
+        else:
+            lines += ["", f"multi-GPU: not run ({n_gpu} GPU)"]
+        lines += ["", "| arch | dtype | max abs logit diff (fused vs explicit) | ok |", "|---|---|---|---|"]
+        lines += [f"| {r['arch']} | {r['dtype']} | {r['max_abs_diff']:.2e} | {r['ok']} |" for r in attn]
+        if failures:
+            lines += ["", "Failures:"] + [f"- {f}" for f in failures]
+        if not done:
+            lines += ["", "(partial: the check was still running when this was written)"]
+        table = "\n".join(lines)
+        (out / "gpu_check.md").write_text(table + "\n")
+        (out / "gpu_check.json").write_text(json.dumps({"info": info, "train": train_rows, "analyses": analysis_rows,
+                                                        "ddp": ddp_rows, "attention": attn, "failures": failures,
+                                                        "complete": done},
+                                                       indent=1, allow_nan=False))
+        return table
+
     for arch in archs:
         fpt = train_flops_per_token(arch, sizes, seq)
         for comp in compiles:
@@ -144,8 +184,8 @@ def main() -> int:
                                "mfu": tps * fpt / peak if tps else None, "error": tail if rc else None})
             if rc:
                 failures.append(f"train {arch} compile={comp}: {tail}")
+            write(False)
 
-    analysis_rows = []
     for arch in archs:
         run = out / arch
         if not (run / "meta.json").exists():
@@ -168,8 +208,8 @@ def main() -> int:
         analysis_rows.append({"arch": arch, "analysis": "collapse-report", "rc": rc2, "wall_s": wall2,
                               "error": tail2 if rc2 else None})
         failures += [f"{a} {arch}: {t}" for a, r_, t in (("sharpness", rc, tail), ("collapse", rc2, tail2)) if r_]
+        write(False)
 
-    ddp_rows = []
     if n_gpu >= 2:
         run = out / "baseline-ddp2"
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "cemtool"]
@@ -180,38 +220,10 @@ def main() -> int:
         if rc:
             failures.append(f"torchrun train: {tail}")
 
-    attn = attention_check(dev, sizes, archs)
+    attn += attention_check(dev, sizes, archs)
     failures += [f"attention {r['arch']} {r['dtype']}: diff {r['max_abs_diff']:.2e}" for r in attn if not r["ok"]]
 
-    lines = [f"# GPU check: {info['device']} ({n_gpu} GPU), torch {info['torch']}, "
-             f"{'tiny' if args.tiny else '~25M'} models, {precision}", "",
-             f"Measured matmul peak ({str(peak_dtype).replace('torch.', '')}): {peak / 1e12:.2f} TFLOP/s", "",
-             "| arch | compile | params | tokens/s | MFU | wall s | status |", "|---|---|---|---|---|---|---|"]
-    for r in train_rows:
-        lines.append(f"| {r['arch']} | {r['compile']} | {r['params'] or '-'} | "
-                     f"{r['tokens_per_s']:.0f} | {r['mfu']:.1%} | {r['wall_s']:.1f} | ok |" if r["rc"] == 0 else
-                     f"| {r['arch']} | {r['compile']} | - | - | - | {r['wall_s']:.1f} | failed |")
-    lines += ["", "| arch | analysis | wall s | λ_max | converged | status |", "|---|---|---|---|---|---|"]
-    for r in analysis_rows:
-        lam = f"{r['lambda_max']:.4g}" if r.get("lambda_max") is not None else "-"
-        lines.append(f"| {r['arch']} | {r['analysis']} | {r['wall_s']:.1f} | {lam} | {r.get('converged', '-')} | "
-                     f"{'ok' if r['rc'] == 0 else 'failed'} |")
-    if ddp_rows:
-        lines += ["", "| multi-GPU | tokens/s | wall s | status |", "|---|---|---|---|"]
-        lines += [f"| {r['what']} | {r['tokens_per_s'] or '-'} | {r['wall_s']:.1f} | "
-                  f"{'ok' if r['rc'] == 0 else 'failed'} |" for r in ddp_rows]
-    else:
-        lines += ["", f"multi-GPU: not run ({n_gpu} GPU)"]
-    lines += ["", "| arch | dtype | max abs logit diff (fused vs explicit) | ok |", "|---|---|---|---|"]
-    lines += [f"| {r['arch']} | {r['dtype']} | {r['max_abs_diff']:.2e} | {r['ok']} |" for r in attn]
-    if failures:
-        lines += ["", "Failures:"] + [f"- {f}" for f in failures]
-    table = "\n".join(lines)
-    print(table)
-    (out / "gpu_check.md").write_text(table + "\n")
-    (out / "gpu_check.json").write_text(json.dumps({"info": info, "train": train_rows, "analyses": analysis_rows,
-                                                    "ddp": ddp_rows, "attention": attn, "failures": failures},
-                                                   indent=1, allow_nan=False))
+    print(write(True))
     return 1 if failures else 0
 
 
