@@ -55,7 +55,7 @@ def copy_study(src: Path, dest: Path) -> tuple[int, int]:
     for entry in src.iterdir():
         if entry.is_dir() and entry.name in runs:
             copy_run(entry, dest / entry.name)
-        elif entry.is_file() and entry.name not in {"study.json", ".lock"}:
+        elif entry.is_file() and entry.name not in {"study.json", ".lock", ".manifest.lock"}:
             shutil.copy2(entry, dest / entry.name)
     (dest / "study.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return kept, reset
