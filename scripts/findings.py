@@ -506,6 +506,8 @@ PAPER14 = "routers read earlier layers, near and far"
 CLAIMS = [claim1, claim2, claim3, claim4, claim5, claim6, claim7, claim8, claim10, claim11, claim12, claim13,
           claim14]
 
+PART_CLAIMS = {"grammar-muon": [claim4, claim5, claim6, claim7, claim8]}  # scripts/study.sh muon: the momentum groups
+
 
 def saturation_row(root: Path) -> dict:
     """Claim 9 from the saturation sweep (scripts/study.sh saturation; summary.json of cemtool saturation sweep)."""
@@ -547,8 +549,10 @@ def main(argv: list[str]) -> int:
         part = Part(root, name)
         if not part.groups:
             continue
-        rows = [c(part) for c in CLAIMS]
-        rows.insert(8, saturation_row(root))
+        asked = PART_CLAIMS.get(name, CLAIMS)  # the muon part asks claims 4-8 only
+        rows = [c(part) for c in asked]
+        if asked is CLAIMS:
+            rows.insert(8, saturation_row(root))
         out[name] = {"what": what, "rows": rows,
                      "groups": {f"{s}/{a}": len(rs) for (s, a), rs in sorted(part.groups.items())}}
         md += [f"## {name}: {what}", "", "| claim | paper | ours (95% interval) | verdict |", "|---|---|---|---|"]
