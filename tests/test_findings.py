@@ -1,0 +1,118 @@
+"""scripts/findings.py: its intervals against scipy, its decision rules, and its table against an independent
+recomputation from the runs' own records (sample_runs/findings, the study's light outputs in the repository)."""
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "sample_runs" / "findings"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("findings", ROOT / "scripts" / "findings.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+F = load()
+
+
+def test_paired_interval_is_scipys_paired_t():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(3.3, 0.02, 5), rng.normal(3.35, 0.02, 5)
+    got = F.diff(F.Values(a, range(5)), F.Values(b, [4, 3, 2, 1, 0][::-1]))
+    want = stats.ttest_rel(a, b).confidence_interval(0.95)
+    assert got["method"] == "paired by seed"
+    assert got["diff"] == pytest.approx(np.mean(a - b), abs=1e-12)
+    assert (got["lo"], got["hi"]) == pytest.approx((want.low, want.high), abs=1e-12)
+
+
+def test_pairing_follows_the_seeds_not_the_order():
+    a, b = F.Values([1.0, 2.0, 4.0], [0, 1, 2]), F.Values([3.5, 0.5, 1.5], [2, 0, 1])  # b listed in another order
+    assert F.diff(a, b)["diff"] == pytest.approx(np.mean([1.0 - 0.5, 2.0 - 1.5, 4.0 - 3.5]))
+    assert F.diff(a, b)["lo"] == pytest.approx(F.diff(a, b)["hi"])  # every per-seed difference is 0.5: no spread
+
+
+def test_other_seeds_give_welch():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(0, 1, 5), rng.normal(0.5, 2, 4)
+    got = F.diff(F.Values(a, range(5)), F.Values(b, range(10, 14)))
+    want = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert got["method"] == "Welch"
+    assert (got["lo"], got["hi"]) == pytest.approx((want.low, want.high), rel=1e-9)
+    assert F.diff(F.Values([1.0], [0]), F.Values([1.0, 2.0], [0, 1])) is None  # one run is no interval
+
+
+def test_difference_of_differences_paired_and_welch():
+    rng = np.random.default_rng(2)
+    g = [rng.normal(m, 0.1, 4) for m in (0.0, 0.1, 0.3, 0.2)]
+    same = F.diff_of_diffs(*[F.Values(x, range(4)) for x in g])
+    want = stats.ttest_1samp((g[2] - g[3]) - (g[0] - g[1]), 0).confidence_interval(0.95)
+    assert same["method"] == "paired by seed" and (same["lo"], same["hi"]) == pytest.approx((want.low, want.high))
+    apart = F.diff_of_diffs(*[F.Values(x, range(4 * k, 4 * k + 4)) for k, x in enumerate(g)])
+    assert apart["method"] == "Welch"
+    assert apart["diff"] == pytest.approx((g[2].mean() - g[3].mean()) - (g[0].mean() - g[1].mean()))
+    v = [x.var(ddof=1) / len(x) for x in g]  # Welch-Satterthwaite, written out
+    df = sum(v) ** 2 / sum(t ** 2 / 3 for t in v)
+    half = stats.t.ppf(0.975, df) * np.sqrt(sum(v))
+    assert (apart["lo"], apart["hi"]) == pytest.approx((apart["diff"] - half, apart["diff"] + half))
+
+
+@pytest.mark.parametrize("lo,hi,below,verdict", [
+    (-0.2, -0.1, True, "reproduced"),
+    (-0.1, 0.1, True, "not reproduced (no difference resolved)"),
+    (0.1, 0.2, True, "not reproduced (the opposite is resolved)"),
+    (0.1, 0.2, False, "reproduced"),
+])
+def test_direction_rules(lo, hi, below, verdict):
+    assert F.direction({"diff": (lo + hi) / 2, "lo": lo, "hi": hi}, better_below=below) == verdict
+    assert F.direction(None) == "not run yet"
+
+
+@pytest.fixture(scope="module")
+def table(tmp_path_factory):
+    if not (SAMPLE / "grammar" / "cem" / "study.json").exists():
+        pytest.skip("sample_runs/findings is not in this checkout")
+    root = tmp_path_factory.mktemp("findings") / "findings"
+    shutil.copytree(SAMPLE, root)
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "findings.py"), str(root)], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    return root, json.loads((root / "findings.json").read_text())
+
+
+def val_losses(study: Path, arch: str) -> dict[int, float]:
+    """Final validation loss by seed, read from each run's own meta.json (not from the study's manifest)."""
+    items = json.loads((study / "study.json").read_text())["items"]
+    return {it["seed"]: json.loads((study / it["run"] / "meta.json").read_text())["val_loss"]
+            for it in items if it["arch"] == arch and it["status"] == "completed"}
+
+
+def test_claim1_row_equals_a_recomputation_from_the_runs(table):
+    root, out = table
+    cem, base = val_losses(root / "grammar" / "cem", "cem"), val_losses(root / "grammar" / "core", "baseline")
+    seeds = sorted(cem)
+    assert seeds == sorted(base) and len(seeds) >= 5
+    d = np.array([cem[s] - base[s] for s in seeds])
+    ci = stats.ttest_1samp(d, 0).confidence_interval(0.95)
+    row = next(r for r in out["grammar"]["rows"] if r["claim"].startswith("1."))
+    assert f"cem − baseline {d.mean():+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]ᵖ" in row["ours"]
+    assert row["verdict"].startswith("reproduced") == bool(ci.high < F.DELTA)  # the non-inferiority rule
+
+
+def test_every_part_has_its_claims_and_strict_json(table):
+    root, out = table
+    assert [r["claim"].split(".")[0] for r in out["grammar"]["rows"]] == [str(i) for i in range(1, 15)]
+    if "grammar-muon" in out:
+        assert [r["claim"].split(".")[0] for r in out["grammar-muon"]["rows"]] == ["4", "5", "6", "7", "8"]
+    text = (root / "findings.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
