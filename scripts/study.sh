@@ -56,7 +56,9 @@ sweep() {  # sweep DIR ARGS...
     $CEMTOOL sweep "$@" --out "$dir" --dry-run; return 0
   fi
   echo "$(date -u +%FT%TZ) start $dir" >> "$OUT/study.log"
-  if $CEMTOOL sweep "$@" --out "$dir" --quiet "${JOBS[@]}" > "$dir.log" 2>&1; then
+  local rc=0
+  $CEMTOOL sweep "$@" --out "$dir" --quiet "${JOBS[@]}" > "$dir.log" 2>&1 || rc=$?
+  if [ $rc = 0 ]; then
     echo "$(date -u +%FT%TZ) done  $dir" >> "$OUT/study.log"
   elif [[ " $* " == *" --tuned "* ]] && grep -q "holds a study planned with other settings" "$dir.log"; then
     # the tuning study's choice changed since this comparison was planned (its grid was extended): the old
@@ -66,7 +68,7 @@ sweep() {  # sweep DIR ARGS...
     echo "$(date -u +%FT%TZ) superseded $dir -> $old (the tuning's choice changed)" >> "$OUT/study.log"
     sweep "$dir" "$@"
   else
-    echo "$(date -u +%FT%TZ) exit $? $dir (see $dir.log)" >> "$OUT/study.log"
+    echo "$(date -u +%FT%TZ) exit $rc $dir (see $dir.log)" >> "$OUT/study.log"
   fi
 }
 tuned_dir() { while [ $# -gt 0 ]; do [ "$1" = --tuned ] && { echo "$2"; return; }; shift; done; }
