@@ -533,6 +533,43 @@ def tuning_rows(part_dir: Path) -> list[dict]:
     return rows
 
 
+def compute_time(part_dir: Path) -> dict:
+    """What the part's finished items cost, from the studies' own records: training and analysis seconds (each
+    measured by the process that did it) and where they ran (python and torch versions, host, device)."""
+    train = analyses = 0.0
+    items, untimed, machines = 0, 0, {}
+    for sj in sorted(part_dir.rglob("study.json")):
+        if ".superseded-" in str(sj.parent):
+            continue
+        for it in json.loads(sj.read_text())["items"]:
+            if it.get("status") != "completed":
+                continue
+            items += 1
+            train += it.get("seconds") or 0.0
+            analyses += sum(a.get("seconds") or 0.0 for a in it.get("analyses", {}).values())
+            untimed += it.get("seconds") is None or any(a.get("seconds") is None
+                                                        for a in it.get("analyses", {}).values())
+            try:
+                meta = json.loads((sj.parent / it["run"] / "meta.json").read_text())
+            except (OSError, ValueError):
+                continue
+            v = meta.get("versions") or {}
+            key = f"python {v.get('python', '?')}, torch {v.get('torch', '?')}, {meta.get('device', '?')}"
+            machines[key] = machines.get(key, 0) + 1
+    return {"items": items, "untimed": untimed, "train_hours": train / 3600, "analysis_hours": analyses / 3600,
+            "machines": machines}
+
+
+def compute_markdown(c: dict) -> list[str]:
+    if not c["items"]:
+        return []
+    where = "; ".join(f"{k}: {n}" for k, n in sorted(c["machines"].items(), key=lambda kv: -kv[1]))
+    missing = f"; {c['untimed']} runs have no recorded time for their training or an analysis" if c["untimed"] else ""
+    return [f"Compute: {c['items']} finished runs, {c['train_hours']:.1f} h of training and "
+            f"{c['analysis_hours']:.1f} h of analyses (one torch thread each; sums of the times each process "
+            f"measured{missing}). Runs by machine: {where}.", ""]
+
+
 def tuning_markdown(rows: list[dict]) -> list[str]:
     if not rows:
         return []
@@ -565,6 +602,8 @@ def main(argv: list[str]) -> int:
         md += ["", "Runs per group: " + ", ".join(f"{k} {v}" for k, v in out[name]["groups"].items()), ""]
         out[name]["tuning"] = tuning_rows(part.root)
         md += tuning_markdown(out[name]["tuning"])
+        out[name]["compute"] = compute_time(part.root)
+        md += compute_markdown(out[name]["compute"])
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)
         return 1
