@@ -513,6 +513,9 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
             added = grid_extension(stored, plan)
             if added == {}:  # the same values, listed in another order: the same study
                 return Study(out, manifest)
+            retuned = retuned_archs(stored, plan)
+            if retuned:
+                return _retune(Study(out, manifest), plan, retuned)
             if added is None:
                 diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
                 raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
@@ -551,6 +554,53 @@ def grid_extension(stored: Plan, plan: Plan) -> dict[str, list[str]] | None:
         if extra:
             added[key] = extra
     return added
+
+
+def retuned_archs(stored: Plan, plan: Plan) -> list[str] | None:
+    """The architectures whose tuned values differ when ``plan`` is ``stored`` re-planned from the same tuning study
+    after its choice changed (its grid was extended), and nothing else differs; None otherwise."""
+    if stored.tuned_from is None or replace(plan, arch_overrides=stored.arch_overrides) != stored:
+        return None
+    changed = [a for a in stored.archs if stored.arch_overrides.get(a) != plan.arch_overrides.get(a)]
+    return changed or None
+
+
+def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
+    """Continue a comparison study whose tuning study now chooses other values for ``archs``: their runs (and
+    fine-tunes) move, whole, to ``superseded-<time>/`` inside the study and their items start afresh at the new
+    values; every other architecture's runs are kept. Recorded in study.json (``retuned``) and said in
+    ``study.notes``. Refused while a run of those architectures is locked by another process."""
+    if Run(study.path).lock_held():
+        raise CemtoolError(f"study {study.path} is in use by another process", hint="wait for it to finish")
+    stamp = now().replace(":", "")[:17]
+    aside = next(p for k in range(1000) if not (p := study.path / f"superseded-{stamp}{f'-{k}' if k else ''}").exists())
+    moved = []
+    fresh = {it["name"]: it for it in new_manifest(plan)["items"]}
+    for k, item in enumerate(study.manifest["items"]):
+        if item["arch"] not in archs:
+            continue
+        dirs = [item["run"], *(a["run"] for a in item.get("analyses", {}).values() if a.get("run"))]
+        for name in dirs:
+            src = study.path / name
+            if src.is_symlink():
+                raise CemtoolError(f"{src} is a symbolic link: cemtool does not follow links it did not make")
+            if src.exists():
+                if Run(src).lock_held():
+                    raise CemtoolError(f"run {src} is in use by another process", hint="wait for it to finish")
+                aside.mkdir(exist_ok=True)
+                src.rename(aside / name)
+                moved.append(name)
+        study.manifest["items"][k] = fresh[item["name"]]
+    change = {a: {"from": study.plan.arch_overrides.get(a), "to": plan.arch_overrides.get(a)} for a in archs}
+    study.manifest.setdefault("retuned", []).append(
+        {"at": now(), "archs": change, "superseded": aside.name if moved else None, "runs_moved": moved})
+    study.manifest["plan"] = plan.to_dict()
+    study.plan = plan
+    what = "; ".join(f"{a} {' '.join(c['from'] or [])} -> {' '.join(c['to'] or [])}" for a, c in change.items())
+    study.notes.append(f"the tuning study now chooses other values ({what}): those architectures are trained again "
+                       f"at them" + (f"; their {len(moved)} earlier run folder(s) moved to {aside}" if moved else "")
+                       + "; every other architecture's runs are kept")
+    return study
 
 
 def _extend(study: Study, plan: Plan, added: dict[str, list[str]]) -> Study:

@@ -65,8 +65,6 @@ class Part:
             return
         for sj in sorted(self.root.glob("*/study.json")):
             study = sj.parent
-            if ".superseded-" in study.name:  # a comparison made at an earlier tuning choice (scripts/study.sh)
-                continue
             try:
                 records, _ = collect([study])
             except CemtoolError:  # nothing finished yet
@@ -539,8 +537,6 @@ def compute_time(part_dir: Path) -> dict:
     train = analyses = 0.0
     items, untimed, machines = 0, 0, {}
     for sj in sorted(part_dir.rglob("study.json")):
-        if ".superseded-" in str(sj.parent):
-            continue
         for it in json.loads(sj.read_text())["items"]:
             if it.get("status") != "completed":
                 continue

@@ -381,3 +381,33 @@ def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):
     assert "Note: extending the study's grid (train.lr + 1e-3): 1 new run(s)" in res.output
     assert snapshot(*(tune / i["run"] for i in done["items"])) == kept
     assert [i["status"] for i in manifest(tune)["items"]] == ["completed"] * 3
+
+
+def test_a_changed_tuning_choice_retrains_only_those_architectures(tmp_path):
+    """A comparison re-planned after its tuning study chose another value for one architecture (a grid extended
+    past the old choice): that architecture's runs move, whole, to superseded-*/ and train again at the new value;
+    the other architecture's runs are not touched. Any other change of plan is still refused."""
+    out = tmp_path / "cmp"
+    before = make_plan("baseline,tmm", "8", tokens=TOKENS // 2, overrides=TUNE,
+                       arch_overrides={"baseline": ["train.lr=1e-4"], "tmm": ["train.lr=3e-3"]}, tuned_from="tune")
+    run_sweep(out, before, device="cpu")
+    kept = snapshot(out / "tmm-s8")
+    old_loss = manifest(out)["items"][0]["val_loss"]
+    after = make_plan("baseline,tmm", "8", tokens=TOKENS // 2, overrides=TUNE,
+                      arch_overrides={"baseline": ["train.lr=3e-3"], "tmm": ["train.lr=3e-3"]}, tuned_from="tune")
+    notes: list[str] = []
+    done = run_sweep(out, after, device="cpu", callback=lambda ev: ev["kind"] == "note" and notes.append(ev["text"]))
+    assert done["status"] == "completed" and [i["status"] for i in done["items"]] == ["completed", "completed"]
+    assert snapshot(out / "tmm-s8") == kept                          # not a byte or mtime changed
+    cfg = json.loads((out / "baseline-s8" / "config.json").read_text())
+    assert cfg["train"]["lr"] == 3e-3 and done["items"][0]["val_loss"] != old_loss
+    aside = [p for p in out.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and json.loads((aside[0] / "baseline-s8" / "config.json").read_text())["train"]["lr"] == 1e-4
+    rec = done["retuned"][0]
+    assert rec["archs"] == {"baseline": {"from": ["train.lr=1e-4"], "to": ["train.lr=3e-3"]}}
+    assert rec["runs_moved"] == ["baseline-s8"] and rec["superseded"] == aside[0].name
+    assert len(notes) == 1 and "baseline train.lr=1e-4 -> train.lr=3e-3" in notes[0]
+    other = make_plan("baseline,tmm", "8", tokens=TOKENS, overrides=TUNE,
+                      arch_overrides={"baseline": ["train.lr=1e-3"], "tmm": ["train.lr=3e-3"]}, tuned_from="tune")
+    with pytest.raises(CemtoolError, match="planned with other settings"):
+        run_sweep(out, other, device="cpu")
