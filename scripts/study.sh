@@ -5,7 +5,8 @@
 #   scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]      (default OUT runs/findings)
 #
 #   grammar  the synthetic grammar corpus, 4 layers x 64 wide (~232k parameters), 512,000 tokens per run,
-#            AdamW; tuning seeds 100,101 over train.lr = 1e-3, 3e-3, 1e-2, 3e-2; comparison seeds 0..4
+#            AdamW; tuning seeds 100,101 over train.lr = 1e-3, 3e-3, 1e-2, 3e-2 (and 1e-1 for the momentum
+#            group); comparison seeds 0..4
 #   muon     claims 4-8 again with train.optimizer=muon (Muon for the blocks' matrices, AdamW for the rest);
 #            tuning over train.muon_lr = 0.01, 0.02, 0.04, 0.08 (train.lr = 3e-3 for the AdamW part)
 #   pydoc    every claim again on Python's documentation (pydoc_data.topics: 466 kB, 159k BPE tokens at a 1,024
@@ -41,6 +42,7 @@ JOBS=(); [ "${STUDY_JOBS:-1}" = 1 ] || JOBS=(--jobs "$STUDY_JOBS")
 
 TUNE_SEEDS=100,101
 LR_GRID=train.lr=1e-3,3e-3,1e-2,3e-2  # (the runs of docs/findings.md were tuned over part of it first, then extended)
+MOMENTUM_GRID=$LR_GRID,1e-1  # ortho and shampoo chose 3e-2, LR_GRID's edge, on the grammar corpus
 MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and tmm chose 0.04, the old edge: the
 # comparisons keep every other architecture's runs (cemtool sweep --tuned re-plans, docs/sweep.md)
 ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
@@ -83,7 +85,7 @@ claims() {  # claims OUTDIR SEEDS
   local o=$1 S=$2
   mkdir -p "$o/tune"
   (  # lane 1: the momentum streams (claims 4-8) with their analyses, and a same-size baseline
-    group "$o" momentum "$MOMENTUM" sharpness,forgetting $S "$LR_GRID"
+    group "$o" momentum "$MOMENTUM" sharpness,forgetting $S "$MOMENTUM_GRID"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$LR_GRID" "${WIDE[@]}"
   ) &
   local l1=$!
