@@ -463,6 +463,7 @@ class Study:
         self.plan = Plan.from_dict(manifest["plan"])
         self.notes: list[str] = []  # what opening it changed (a grid extension), for the caller to say
         self.owned: set[str] | None = None  # a worker of --jobs: the items it writes (None: the whole manifest)
+        self.retune: tuple[Plan, list[str]] | None = None  # a re-planned comparison, for run_sweep to apply
 
     def save(self) -> None:
         self.manifest["updated"] = now()
@@ -486,6 +487,18 @@ class Study:
             self.manifest = disk
         finally:
             os.close(fd)  # closing releases the lock
+
+    def set_status(self, status: str) -> None:
+        """Set the study's status in study.json under the manifest lock (the workers may still be writing)."""
+        fd = open_lock_file(self.path / ".manifest.lock")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            disk = read_json(self.path / "study.json", "study manifest")
+            disk.update(status=status, updated=now())
+            atomic_write_json(self.path / "study.json", disk)
+            self.manifest = {**disk, "items": self.manifest["items"]} if self.owned else disk
+        finally:
+            os.close(fd)
 
     def item(self, name: str) -> dict:
         return next(it for it in self.manifest["items"] if it["name"] == name)
@@ -514,8 +527,10 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
             if added == {}:  # the same values, listed in another order: the same study
                 return Study(out, manifest)
             retuned = retuned_archs(stored, plan)
-            if retuned:
-                return _retune(Study(out, manifest), plan, retuned)
+            if retuned:  # applied by run_sweep once it holds the study's lock
+                study = Study(out, manifest)
+                study.retune = (plan, retuned)
+                return study
             if added is None:
                 diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
                 raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
@@ -569,28 +584,31 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
     """Continue a comparison study whose tuning study now chooses other values for ``archs``: their runs (and
     fine-tunes) move, whole, to ``superseded-<time>/`` inside the study and their items start afresh at the new
     values; every other architecture's runs are kept. Recorded in study.json (``retuned``) and said in
-    ``study.notes``. Refused while a run of those architectures is locked by another process."""
-    if Run(study.path).lock_held():
-        raise CemtoolError(f"study {study.path} is in use by another process", hint="wait for it to finish")
+    ``study.notes``. Called with the study's lock held; refused, before anything moves, while a run of those
+    architectures is locked by another process or is a symbolic link."""
     stamp = now().replace(":", "")[:17]
     aside = next(p for k in range(1000) if not (p := study.path / f"superseded-{stamp}{f'-{k}' if k else ''}").exists())
-    moved = []
     fresh = {it["name"]: it for it in new_manifest(plan)["items"]}
-    for k, item in enumerate(study.manifest["items"]):
-        if item["arch"] not in archs:
-            continue
-        dirs = [item["run"], *(a["run"] for a in item.get("analyses", {}).values() if a.get("run"))]
-        for name in dirs:
-            src = study.path / name
-            if src.is_symlink():
-                raise CemtoolError(f"{src} is a symbolic link: cemtool does not follow links it did not make")
-            if src.exists():
-                if Run(src).lock_held():
-                    raise CemtoolError(f"run {src} is in use by another process", hint="wait for it to finish")
-                aside.mkdir(exist_ok=True)
-                src.rename(aside / name)
-                moved.append(name)
-        study.manifest["items"][k] = fresh[item["name"]]
+    redo = [k for k, item in enumerate(study.manifest["items"]) if item["arch"] in archs]
+    dirs = [name for k in redo for name in (study.manifest["items"][k]["run"],
+                                            *(a["run"] for a in study.manifest["items"][k].get("analyses",
+                                                                                              {}).values()
+                                              if a.get("run")))]
+    for name in dirs:  # every check before anything moves
+        src = study.path / name
+        if src.is_symlink():
+            raise CemtoolError(f"{src} is a symbolic link: cemtool does not follow links it did not make")
+        if src.exists() and Run(src).lock_held() is not False:
+            raise CemtoolError(f"run {src} is in use by another process (or its lock cannot be read)",
+                               hint="wait for it to finish")
+    moved = []
+    for name in dirs:
+        if (study.path / name).exists():
+            aside.mkdir(exist_ok=True)
+            (study.path / name).rename(aside / name)
+            moved.append(name)
+    for k in redo:
+        study.manifest["items"][k] = fresh[study.manifest["items"][k]["name"]]
     change = {a: {"from": study.plan.arch_overrides.get(a), "to": plan.arch_overrides.get(a)} for a in archs}
     study.manifest.setdefault("retuned", []).append(
         {"at": now(), "archs": change, "superseded": aside.name if moved else None, "runs_moved": moved})
@@ -600,6 +618,8 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
     study.notes.append(f"the tuning study now chooses other values ({what}): those architectures are trained again "
                        f"at them" + (f"; their {len(moved)} earlier run folder(s) moved to {aside}" if moved else "")
                        + "; every other architecture's runs are kept")
+    study.retune = None
+    study.save()  # at once: the moved runs are recorded before anything else can fail
     return study
 
 
@@ -638,18 +658,20 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
     if not isinstance(jobs, int) or jobs < 1:
         raise CemtoolError(f"--jobs must be a whole number >= 1, not {jobs!r}")
     study = open_study(out, plan)
-    for note in study.notes:
-        if callback is not None:
-            callback({"kind": "note", "item": None, "text": note})
     dev = device if isinstance(device, torch.device) else pick_device(device)
     lock = Run(study.path)  # the run-directory lock, on the study directory
     lock.lock()
     corpora: dict[str, object] = {}
     try:
+        if study.retune is not None:
+            _retune(study, *study.retune)
+        for note in study.notes:
+            if callback is not None:
+                callback({"kind": "note", "item": None, "text": note})
         study.manifest["status"] = "running"
         study.save()
         if jobs > 1:
-            study = _run_workers(study, device, dev, jobs, callback)
+            study = _run_workers(study, device, dev, jobs, callback, corpora)
         else:
             items = study.manifest["items"]
             for index, item in enumerate(items):
@@ -694,20 +716,33 @@ def _do_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: C
 # -- parallel workers (--jobs) -------------------------------------------------------------------------------------
 
 def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.device, jobs: int,
-                 callback: Callback | None) -> Study:
-    """Train the study's items in ``jobs`` worker processes (spawned, so CUDA works in each). A worker claims an
-    item by an flock on ``.claims/<item>`` (released if it dies), trains and analyses it exactly as the serial
-    runner does (the same seeds, so the same numbers), and writes only its own items into study.json, under a
-    lock. An item is tried once per sweep: a worker marks its claim file with this sweep's id when done, so a
-    failure is not retried by the next worker. Each worker runs torch with cpu_count // jobs threads unless
-    OMP_NUM_THREADS is set; on CUDA asked as ``auto`` or ``cuda`` the workers go round the visible GPUs. Each
-    run checks its memory against what is free when it starts, so the workers' runs started before it count.
-    Ctrl-C or SIGTERM stops the workers, which mark their items interrupted; a worker also stops when this
-    process dies. Returns the study as the workers left it."""
+                 callback: Callback | None, corpora: dict) -> Study:
+    """Train the study's items in ``jobs`` worker processes (spawned, so CUDA works in each).
+
+    - Items the manifest already counts as finished go through the serial path here first: a missing report is
+      made again, a config that no longer matches is refused, exactly as without --jobs.
+    - A worker claims an item by an flock on ``.claims/<item>`` (released if it dies), trains and analyses it as
+      the serial runner does (the same seed and batches), and writes only its own items into study.json, under
+      ``.manifest.lock``. An item is tried once per sweep: the worker marks its claim file with this sweep's id
+      when it is done with it, failed or not.
+    - Each worker runs torch with (usable cores // workers) threads unless OMP_NUM_THREADS is set. On CUDA asked
+      as ``auto`` or ``cuda`` the workers go round the visible GPUs. Each run checks its memory against what is
+      free when it starts, so the workers' runs already started count.
+    - Ctrl-C (when this process takes it) or SIGTERM stops the workers, which mark their items interrupted; a
+      worker also stops when this process dies (Linux: a parent-death signal).
+
+    Returns the study as the workers left it."""
     import multiprocessing as mp
     import signal
     import uuid
 
+    for item in study.manifest["items"]:  # the serial path's checks of finished items
+        if _finished(item):
+            def emit(ev: dict, name: str = item["name"]) -> None:
+                if callback is not None:
+                    callback({**ev, "item": name})
+
+            _do_item(study, item, dev, corpora, emit)
     todo = [it["name"] for it in study.manifest["items"] if not _finished(it)]
     n = min(jobs, len(todo))
     claims = study.path / ".claims"
@@ -718,45 +753,56 @@ def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.devi
     devices = [dev] * n
     if dev.type == "cuda" and (asked is None or str(asked) in ("auto", "cuda")) and torch.cuda.device_count() > 1:
         devices = [torch.device("cuda", k % torch.cuda.device_count()) for k in range(n)]
-    threads = None if os.environ.get("OMP_NUM_THREADS") else max(1, (os.cpu_count() or 1) // jobs)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = None if os.environ.get("OMP_NUM_THREADS") else max(1, cores // max(1, n))
     if callback is not None:
         said = f"{n} workers" + (f" (--jobs {jobs}, but only {len(todo)} items are left)" if n < jobs else "")
-        said += f" on {', '.join(sorted({str(d) for d in devices}))}"
-        said += f", {threads} torch thread(s) each" if threads else ", torch threads from OMP_NUM_THREADS"
+        if n:
+            said += f" on {', '.join(sorted({str(d) for d in devices}))}"
+            said += f", {threads} torch thread(s) each" if threads else ", torch threads from OMP_NUM_THREADS"
         callback({"kind": "note", "item": None, "text": said})
     if n == 0:
         return study
     sweep_id = uuid.uuid4().hex
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(str(study.path), str(devices[k]), threads, sweep_id, os.getpid()),
-                         name=f"cemtool-sweep-worker-{k}") for k in range(n)]
+    own_sigint = signal.getsignal(signal.SIGINT)
+    takes_ctrl_c = own_sigint is not signal.SIG_IGN  # a background job of a script ignores it: so do its workers
+    procs = [ctx.Process(target=_worker, args=(str(study.path), str(devices[k]), threads, sweep_id, os.getpid(),
+                                               takes_ctrl_c), name=f"cemtool-sweep-worker-{k}") for k in range(n)]
+    started: list = []
 
     def stop(signum, frame):  # SIGTERM to this process: stop the workers the way Ctrl-C does
         raise KeyboardInterrupt
 
-    old = signal.signal(signal.SIGTERM, stop)
+    own_sigterm = signal.signal(signal.SIGTERM, stop)
     seen: dict[str, tuple] = {}
-    study = _progress(study, seen, None)  # the states before the workers start
     try:
+        study = _progress(study, seen, None)  # the states before the workers start
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers while they start (no traceback)
         for p in procs:
             p.start()
-        while any(p.is_alive() for p in procs):
+            started.append(p)
+        signal.signal(signal.SIGINT, own_sigint)
+        while any(p.is_alive() for p in started):
             time.sleep(1.0)
             study = _progress(study, seen, callback)
-    except KeyboardInterrupt:
-        for p in procs:
+    except BaseException:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up is not cut short by a second signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for p in started:
             if p.is_alive():
                 p.terminate()  # SIGTERM: the worker marks its item interrupted and exits
-        for p in procs:
+        for p in started:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+                p.join()
         study.sync()
-        study.manifest["status"] = "interrupted"
-        atomic_write_json(study.path / "study.json", study.manifest)
+        study.set_status("interrupted")
         raise
     finally:
-        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGTERM, own_sigterm)
+        signal.signal(signal.SIGINT, own_sigint)
     study = _progress(study, seen, callback)
     bad = [p.exitcode for p in procs if p.exitcode != 0]
     if bad:
@@ -767,7 +813,8 @@ def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.devi
 
 
 def _progress(study: Study, seen: dict, callback: Callback | None) -> Study:
-    """Reread study.json (as the workers leave it) and tell the callback what changed since the last look."""
+    """Reread study.json (as the workers leave it) and tell the callback what changed since the last look: an
+    item's start ("item" event), its end ("end", with its step, loss and error) and its analyses' ends."""
     study.sync()
     items = study.manifest["items"]
     for index, it in enumerate(items):
@@ -775,9 +822,11 @@ def _progress(study: Study, seen: dict, callback: Callback | None) -> Study:
         old, seen[it["name"]] = seen.get(it["name"]), state
         if callback is None or old is None or old == state:
             continue
-        if it["status"] != old[0] and it["status"] in ("running", "completed", "failed", "interrupted"):
-            callback({"kind": "item", "item": it["name"], "index": index, "total": len(items),
-                      "status": "start" if it["status"] == "running" else it["status"]})
+        if it["status"] != old[0] and it["status"] == "running":
+            callback({"kind": "item", "item": it["name"], "index": index, "total": len(items), "status": "start"})
+        elif it["status"] != old[0] and it["status"] in ("completed", "failed", "interrupted"):
+            callback({"kind": "end", "item": it["name"], "status": it["status"], "step": it.get("step"),
+                      "val_loss": it.get("val_loss"), "error": it.get("error")})
         for (name, a), was in zip(it["analyses"].items(), old[1], strict=True):
             if a["status"] != was and a["status"] in ("completed", "failed"):
                 callback({"kind": "analysis", "item": it["name"], "analysis": name, "status": a["status"],
@@ -785,9 +834,12 @@ def _progress(study: Study, seen: dict, callback: Callback | None) -> Study:
     return study
 
 
-def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: int) -> None:
-    """One worker process of :func:`_run_workers` (the spawn target)."""
+def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: int, takes_ctrl_c: bool) -> None:
+    """One worker process of :func:`_run_workers` (the spawn target): one line on stderr for an error, never a
+    traceback (CEMTOOL_DEBUG=1 shows it)."""
     import signal
+
+    from cemtool.runs import os_error
 
     def stop(signum, frame):  # stop once: a second signal must not cut short the saving of the item's state
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -795,7 +847,7 @@ def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: 
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGINT, stop if takes_ctrl_c else signal.SIG_IGN)
     try:  # Linux: a SIGTERM when the parent dies (a kill -9 of the sweep leaves no worker behind)
         import ctypes
 
@@ -808,19 +860,19 @@ def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: 
         _work(Path(path), torch.device(device), sweep_id, parent)
     except KeyboardInterrupt:
         sys.exit(130)
-    except CemtoolError as e:
-        sys.stderr.write(f"Error: {e.message}\n" + (f"Hint: {e.hint}\n" if e.hint else ""))
-        sys.exit(1)
-    except Exception as e:  # noqa: BLE001 - one line, never a traceback (CEMTOOL_DEBUG=1 shows it)
+    except Exception as e:  # noqa: BLE001
         if os.environ.get("CEMTOOL_DEBUG", "") not in ("", "0"):
             raise
-        sys.stderr.write(f"Error: sweep worker: internal error ({type(e).__name__}: {e})\n")
+        if isinstance(e, OSError):
+            e = os_error(e, e.filename or path, "use")
+        msg = (f"{e.message}\n" + (f"Hint: {e.hint}\n" if e.hint else "")) if isinstance(e, CemtoolError) else \
+            f"sweep worker: internal error ({type(e).__name__}: {e})\n"
+        sys.stderr.write(f"Error: {msg}")
         sys.exit(1)
 
 
 def _work(path: Path, dev: torch.device, sweep_id: str, parent: int) -> None:
     """Claim, train and analyse items until none is left to this sweep."""
-
     study = Study(path, read_json(path / "study.json", "study manifest"))
     study.owned = set()
     corpora: dict[str, object] = {}
@@ -834,14 +886,16 @@ def _work(path: Path, dev: torch.device, sweep_id: str, parent: int) -> None:
             except BlockingIOError:
                 continue  # another worker has it
             if os.pread(fd, 64, 0).decode(errors="replace").strip() == sweep_id:
-                continue  # tried in this sweep already
-            study.sync()
-            item = study.item(name)
-            if not _finished(item):
-                study.owned.add(name)
-                _do_item(study, item, dev, corpora, lambda ev: None)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, sweep_id.encode(), 0)
+                continue  # done (or failed) in this sweep already
+            try:
+                study.sync()
+                item = study.item(name)
+                if not _finished(item):
+                    study.owned.add(name)
+                    _do_item(study, item, dev, corpora, lambda ev: None)
+            finally:  # tried once per sweep, whatever happened
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, sweep_id.encode(), 0)
         finally:
             study.owned.discard(name)
             os.close(fd)

@@ -68,6 +68,7 @@ def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
     res = subprocess.run(sweep_cmd(out, "--jobs", "2"), env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "2 workers on cpu" in res.stdout + res.stderr
+    assert (res.stdout + res.stderr).count("training: completed at step 30") == 4  # every end, from study.json
     m = manifest(out)
     assert m["status"] == "completed"
     assert [i["name"] for i in m["items"]] == [i["name"] for i in serial["items"]]
@@ -79,18 +80,24 @@ def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
                      for d in (out, serial_dir))
         assert got == want  # the analyses too
     assert sorted(p.name for p in (out / ".claims").iterdir()) == sorted(i["name"] for i in m["items"])
-    # a rerun with workers finds nothing to do and says so
+    # a rerun with workers finds nothing to do and says so, but checks the finished items as a serial rerun does:
+    # a report that went missing is made again
+    (out / "tmm-s1" / "reports" / "collapse.json").unlink()
     again = subprocess.run(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0, again.stderr
-    assert "0 workers" in again.stdout + again.stderr and manifest(out)["items"] == m["items"]
+    assert "0 workers" in again.stdout + again.stderr
+    assert (out / "tmm-s1" / "reports" / "collapse.json").exists()
+    assert [i["val_loss"] for i in manifest(out)["items"]] == [i["val_loss"] for i in m["items"]]
 
 
 def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     serial = serial[1]
     out = tmp_path / "study"
+    # started as a script's background job is: SIGINT ignored, in its own process group
     proc = subprocess.Popen(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline, workers = time.time() + 300, set()
     while True:
         assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()}"
@@ -103,6 +110,9 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
         if done and len(workers) >= 2:
             break
         time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C the sweep ignores is ignored by its workers too
+    time.sleep(2)
+    assert proc.poll() is None and all(alive(p) for p in children(proc.pid) if p in workers)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
     assert "interrupted" in proc.stderr.read()

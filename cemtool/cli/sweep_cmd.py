@@ -53,8 +53,10 @@ class SweepReporter:
             self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}")
         elif kind == "end":
             vl = f"val loss {ev['val_loss']:.4f}" if ev.get("val_loss") is not None else ""
-            self.line(f"  {item} {'training' if self.stage.get(item) == 'train' else self.stage.get(item)}: "
-                      f"{ev['status']} at step {ev['step']} {vl}")
+            err = f" ({ev['error']})" if ev.get("error") else ""
+            stage = self.stage.get(item, "train")
+            self.line(f"  {item} {'training' if stage == 'train' else stage}: {ev['status']} at step {ev['step']} "
+                      f"{vl}{err}")
 
 
 def _fmt(v, digits: int = 4) -> str:
@@ -146,7 +148,8 @@ def sweep(
     device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")] = "auto",
     jobs: Annotated[int, typer.Option("--jobs", "-j", min=1, max=512, help="train this many items at once, "
                                       "each in its own process (on CUDA they share the GPU, or go round the "
-                                      "GPUs); the numbers are the same as one at a time")] = 1,
+                                      "GPUs); each run's numbers are those it gets alone with the same torch "
+                                      "threads")] = 1,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress output")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print study.json")] = False,
 ) -> None:
