@@ -14,9 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 # Okabe-Ito colours, then Paul Tol's "muted" ones that pass (his sand, pale cyan and teal do not). Black is the
 # entropy floor's and greys are for references, so neither is an architecture's.
 PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#332288", "#999933", "#882255", "#117733", "#AA4499",
-           "#CC6677")
+           "#CC6677", "#994F00", "#5C5C5C", "#1B7C86")
 _FIXED = {"baseline": 0, "vanilla": 0, "tmm": 1, "lime": 2, "cem": 3, "hb": 4, "nesterov": 5, "adam": 6,
-          "adamw": 7, "muon": 8, "soap": 9}
+          "adamw": 7, "muon": 8, "soap": 9, "rmsprop": 10, "ortho": 11, "shampoo": 12}  # every momentum variant apart
 
 
 def arch_color(arch: str) -> tuple[float, float, float]:
