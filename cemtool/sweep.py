@@ -472,33 +472,25 @@ class Study:
         else:
             self.sync(write=True)
 
-    def sync(self, write: bool = False) -> None:
-        """A worker's view of the shared manifest: under the manifest lock, read study.json, keep this worker's own
-        items from memory (the same dicts) and the others' from the file; write the result back if ``write``."""
+    def sync(self, write: bool = False, status: str | None = None) -> None:
+        """The shared manifest of --jobs: under the manifest lock, read study.json, keep this worker's own items from
+        memory (the same dicts) and the others' from the file; write the result back if ``write`` (or a new
+        ``status`` is given: the sweep's, while workers may still be writing)."""
         fd = open_lock_file(self.path / ".manifest.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             disk = read_json(self.path / "study.json", "study manifest")
             mine = {it["name"]: it for it in self.manifest["items"] if it["name"] in (self.owned or ())}
             disk["items"] = [mine.get(it["name"], it) for it in disk["items"]]
-            if write:
+            if status is not None:
+                disk.update(status=status, updated=now())
+            elif write:
                 disk["updated"] = self.manifest["updated"]
+            if write or status is not None:
                 atomic_write_json(self.path / "study.json", disk)
             self.manifest = disk
         finally:
             os.close(fd)  # closing releases the lock
-
-    def set_status(self, status: str) -> None:
-        """Set the study's status in study.json under the manifest lock (the workers may still be writing)."""
-        fd = open_lock_file(self.path / ".manifest.lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            disk = read_json(self.path / "study.json", "study manifest")
-            disk.update(status=status, updated=now())
-            atomic_write_json(self.path / "study.json", disk)
-            self.manifest = {**disk, "items": self.manifest["items"]} if self.owned else disk
-        finally:
-            os.close(fd)
 
     def item(self, name: str) -> dict:
         return next(it for it in self.manifest["items"] if it["name"] == name)
@@ -590,10 +582,10 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
     aside = next(p for k in range(1000) if not (p := study.path / f"superseded-{stamp}{f'-{k}' if k else ''}").exists())
     fresh = {it["name"]: it for it in new_manifest(plan)["items"]}
     redo = [k for k, item in enumerate(study.manifest["items"]) if item["arch"] in archs]
-    dirs = [name for k in redo for name in (study.manifest["items"][k]["run"],
-                                            *(a["run"] for a in study.manifest["items"][k].get("analyses",
-                                                                                              {}).values()
-                                              if a.get("run")))]
+    dirs = []  # each item's run and its fine-tunes
+    for k in redo:
+        item = study.manifest["items"][k]
+        dirs += [item["run"], *(a["run"] for a in item.get("analyses", {}).values() if a.get("run"))]
     for name in dirs:  # every check before anything moves
         src = study.path / name
         if src.is_symlink():
@@ -797,8 +789,7 @@ def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.devi
             if p.is_alive():
                 p.kill()
                 p.join()
-        study.sync()
-        study.set_status("interrupted")
+        study.sync(status="interrupted")
         raise
     finally:
         signal.signal(signal.SIGTERM, own_sigterm)
