@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -531,11 +532,31 @@ def tuning_rows(part_dir: Path) -> list[dict]:
     return rows
 
 
+def _when(stamp: str | None) -> float | None:
+    try:
+        return datetime.fromisoformat(stamp).timestamp() if stamp else None
+    except (TypeError, ValueError):
+        return None
+
+
+def union_hours(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of the intervals, in hours (time in which at least one of them was running)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total / 3600
+
+
 def compute_time(part_dir: Path) -> dict:
     """What the part's finished items cost, from the studies' own records: training and analysis seconds (each
-    measured by the process that did it) and where they ran (python and torch versions, host, device)."""
+    measured by the process that did it), where they ran (python and torch versions, host, device), and the wall
+    time per host: the union of the intervals in which one of the part's processes was training (meta.json's
+    started..ended) or analysing (a report's creation time minus its measured seconds), so time between sessions
+    and the lanes' overlap are not counted."""
     train = analyses = 0.0
-    items, untimed, machines = 0, 0, {}
+    items, untimed, machines, spans = 0, 0, {}, {}
     for sj in sorted(part_dir.rglob("study.json")):
         for it in json.loads(sj.read_text())["items"]:
             if it.get("status") != "completed":
@@ -552,8 +573,20 @@ def compute_time(part_dir: Path) -> dict:
             v = meta.get("versions") or {}
             key = f"python {v.get('python', '?')}, torch {v.get('torch', '?')}, {meta.get('device', '?')}"
             machines[key] = machines.get(key, 0) + 1
+            host = spans.setdefault(f"{meta.get('hostname', '?')} ({key})", [])
+            t0, t1 = _when(meta.get("started")), _when(meta.get("ended"))
+            if t0 is not None and t1 is not None:
+                host.append((t0, t1))
+            for a in it.get("analyses", {}).values():
+                try:
+                    made = json.loads((sj.parent / a["report"]).read_text())["provenance"]["created"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+                t1 = _when(made)
+                if t1 is not None and a.get("seconds") is not None:
+                    host.append((t1 - a["seconds"], t1))
     return {"items": items, "untimed": untimed, "train_hours": train / 3600, "analysis_hours": analyses / 3600,
-            "machines": machines}
+            "machines": machines, "wall_hours": {h: union_hours(sp) for h, sp in spans.items() if sp}}
 
 
 def compute_markdown(c: dict) -> list[str]:
@@ -563,7 +596,15 @@ def compute_markdown(c: dict) -> list[str]:
     missing = f"; {c['untimed']} runs have no recorded time for their training or an analysis" if c["untimed"] else ""
     return [f"Compute: {c['items']} finished runs, {c['train_hours']:.1f} h of training and "
             f"{c['analysis_hours']:.1f} h of analyses (one torch thread each; sums of the times each process "
-            f"measured{missing}). Runs by machine: {where}.", ""]
+            f"measured{missing}). Runs by machine: {where}.{wall_markdown(c.get('wall_hours') or {})}", ""]
+
+
+def wall_markdown(wall: dict) -> str:
+    if not wall:
+        return ""
+    hosts = "; ".join(f"{h:.1f} h on {name}" for name, h in sorted(wall.items(), key=lambda kv: -kv[1]))
+    return (f" Wall time (time in which at least one of the part's runs or analyses was working, summed over "
+            f"sessions): {hosts}.")
 
 
 def tuning_markdown(rows: list[dict]) -> list[str]:

@@ -116,3 +116,28 @@ def test_every_part_has_its_claims_and_strict_json(table):
         assert [r["claim"].split(".")[0] for r in out["grammar-muon"]["rows"]] == ["4", "5", "6", "7", "8"]
     text = (root / "findings.json").read_text()
     assert "NaN" not in text and "Infinity" not in text
+
+
+def test_union_of_intervals_against_a_fine_grid():
+    rng = np.random.default_rng(1)
+    starts = rng.uniform(0, 3600, 40)
+    spans = [(float(a), float(a + d)) for a, d in zip(starts, rng.exponential(200, 40))]
+    grid = np.arange(0, 8000, 0.5) + 0.25  # half-second cells, tested at their middles
+    covered = np.zeros_like(grid, dtype=bool)
+    for a, b in spans:
+        covered |= (grid > a) & (grid < b)
+    assert F.union_hours(spans) == pytest.approx(covered.sum() * 0.5 / 3600, abs=2 * 40 * 0.5 / 3600)
+    assert F.union_hours([]) == 0.0 and F.union_hours([(0.0, 3600.0), (0.0, 3600.0)]) == pytest.approx(1.0)
+
+
+def test_wall_time_is_bounded_by_the_compute_it_spans(table):
+    """The wall time of a part is at most the sum of its processes' times (they overlap in lanes) and at least
+    that sum over the most processes that ever ran at once here (2 lanes x 2 sweep workers, plus the device's 12)."""
+    _, out = table
+    for part in out.values():
+        c = part["compute"]
+        if not c["items"]:
+            continue
+        wall, busy = sum(c["wall_hours"].values()), c["train_hours"] + c["analysis_hours"]
+        assert 0 < wall <= busy * 1.02 + 0.01  # + the minutes of setup each run has outside its measured seconds
+        assert wall >= busy / 16
