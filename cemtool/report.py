@@ -217,6 +217,20 @@ def run_settings(config: dict, family: str | None = None) -> dict[str, Any]:
     return flat
 
 
+def _shown(name: str, settings: dict) -> Any:
+    """A setting's value in a label; a size left at 0 ("derive it") shows the size it derived, e.g.
+    ``model.mlp_hidden=176(auto)`` rather than ``model.mlp_hidden=0``."""
+    v, d = settings.get(name), settings.get("model.d_model")
+    if v != 0 or not isinstance(d, int):
+        return v
+    if name == "model.mlp_hidden":
+        from cemtool.models.layers import mlp_hidden
+        return f"{mlp_hidden(d, settings.get('model.mlp', 'swiglu'), 0)}(auto)"
+    if name == "model.head_dim" and isinstance(settings.get("model.n_head"), int):
+        return f"{d // settings['model.n_head']}(auto)"
+    return v
+
+
 def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
     """One label per run for its group (same settings apart from the seed): the architecture name, plus the
     settings that tell apart groups sharing that name, e.g. ``baseline[model.mlp_hidden=224]``: chosen greedily (the
@@ -241,5 +255,5 @@ def group_labels(archs: list[str], settings: list[dict]) -> list[str]:
                 best = max(names, key=lambda n: (sum(o.get(n) != mine.get(n) for o in left), -names.index(n)))
                 chosen.append(best)
                 left = [o for o in left if o.get(best) == mine.get(best)]
-            label_of[(a, k)] = f"{a}[{','.join(f'{n}={mine.get(n)}' for n in sorted(chosen))}]"
+            label_of[(a, k)] = f"{a}[{','.join(f'{n}={_shown(n, mine)}' for n in sorted(chosen))}]"
     return [label_of[(a, k)] for a, k in zip(archs, keys, strict=True)]

@@ -217,6 +217,15 @@ def test_group_labels():
     assert group_labels(["p", "p", "q"], [a, a, b]) == ["p", "p", "q"]
     assert group_labels(["p", "p", "p"], [a, b, a]) == ["p[y=2]", "p[y=3]", "p[y=2]"]
     assert group_labels(["p", "p"], [a, c]) == ["p[z=None]", "p[z=0]"]  # a key only one group has
+    # a size left at 0 shows the size the model derived from it (the MLP's width: the model's own rule)
+    from cemtool.models.layers import mlp_hidden
+    base = {"model.d_model": 64, "model.mlp": "swiglu", "model.n_head": 4, "model.head_dim": 0}
+    wide, auto = {**base, "model.mlp_hidden": 224}, {**base, "model.mlp_hidden": 0}
+    assert group_labels(["b", "b"], [wide, auto]) == ["b[model.mlp_hidden=224]",
+                                                      f"b[model.mlp_hidden={mlp_hidden(64, 'swiglu', 0)}(auto)]"]
+    assert mlp_hidden(64, "swiglu", 0) == 176 and mlp_hidden(64, "gelu", 0) == 256
+    narrow = {**base, "model.head_dim": 8}
+    assert group_labels(["b", "b"], [narrow, base]) == ["b[model.head_dim=8]", "b[model.head_dim=16(auto)]"]
     # three groups of one name that differ in four settings: the label names what tells each apart, and never two
     # groups alike (the first three sorted differences alone would merge the first two: the bug this pins)
     g1 = {"a": 1, "b": 1, "c": 1, "t": 100}
