@@ -27,7 +27,9 @@
 #
 # Set CEMTOOL to run another cemtool executable (default: the one on PATH), and STUDY_JOBS=N to train N items of
 # each study at once (`cemtool sweep --jobs N`, one torch thread each: 2 lanes x N processes; the numbers are the
-# same as one at a time).
+# same as one at a time). STUDY_LANE=1 or 2 runs only that lane of a part (the momentum streams, or the rest), so
+# the lanes of two parts can share the cores, or one part's lanes can run on two machines (each finished study is
+# then copied into one OUT).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -39,6 +41,9 @@ OUT=${2:-runs/findings}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
 JOBS=(); [ "${STUDY_JOBS:-1}" = 1 ] || JOBS=(--jobs "$STUDY_JOBS")
+LANE=${STUDY_LANE:-both}
+case $LANE in both|1|2) ;; *) echo "Error: STUDY_LANE must be 1 or 2, got '$LANE'" >&2; exit 2 ;; esac
+lane() { [ "$LANE" = both ] || [ "$LANE" = "$1" ]; }  # lane N: whether this invocation runs lane N
 
 TUNE_SEEDS=100,101
 LR_GRID=train.lr=1e-3,3e-3,1e-2,3e-2  # (the runs of docs/findings.md were tuned over part of it first, then extended)
@@ -54,8 +59,16 @@ sweep() {  # sweep DIR ARGS...
   local dir=$1; shift
   if [ ${#DRY[@]} -gt 0 ]; then
     echo "== $dir"
-    if [[ " $* " == *" --tuned "* ]] && [ ! -f "$(tuned_dir "$@")/study.json" ]; then
-      echo "(after its tuning study has run)"; return 0
+    if [[ " $* " == *" --tuned "* ]]; then
+      if [ ! -f "$(tuned_dir "$@")/study.json" ]; then echo "(after its tuning study has run)"; return 0; fi
+      local said rc=0
+      said=$($CEMTOOL sweep "$@" --out "$dir" --dry-run 2>&1) || rc=$?
+      case $rc:$said in
+        0:*) echo "$said" ;;
+        *"is not finished"*) echo "(after its tuning study has finished; ${said%%$'\n'*})" ;;
+        *) echo "$said" >&2; return $rc ;;
+      esac
+      return 0
     fi
     $CEMTOOL sweep "$@" --out "$dir" --dry-run; return 0
   fi
@@ -85,12 +98,13 @@ group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
 claims() {  # claims OUTDIR SEEDS
   local o=$1 S=$2
   mkdir -p "$o/tune"
-  (  # lane 1: the momentum streams (claims 4-8) with their analyses, and a same-size baseline
+  local l1= l2=
+  lane 1 && (  # lane 1: the momentum streams (claims 4-8) with their analyses, and a same-size baseline
     group "$o" momentum "$MOMENTUM" sharpness,forgetting $S "$MOMENTUM_GRID"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$LR_GRID" "${WIDE[@]}"
   ) &
-  local l1=$!
-  (  # lane 2: baseline, LIMe and CEM (claims 1-3, 11-14), allocation (10), depth 12 (13)
+  lane 1 && l1=$!
+  lane 2 && (  # lane 2: baseline, LIMe and CEM (claims 1-3, 11-14), allocation (10), depth 12 (13)
     sweep "$o/tune/core" --archs baseline,lime,cem,cem-rec2,cem-precond,cem-dplr,cem-full \
       --seeds "$TUNE_SEEDS" --grid "$LR_GRID" "${COMMON[@]}"
     sweep "$o/core" --tuned "$o/tune/core" --archs baseline,lime --seeds $S \
@@ -103,7 +117,7 @@ claims() {  # claims OUTDIR SEEDS
     group "$o" late-lowrank-75 baseline "" $S "$LR_GRID" --set "model.head_dims=$LOWRANK_75"
     group "$o" depth12 baseline,lime collapse $S "$LR_GRID" "${DEPTH12[@]}"
   ) &
-  local l2=$!
+  lane 2 && l2=$!
   wait $l1 $l2
 }
 
@@ -124,13 +138,14 @@ muon() {
   COMMON=(--tokens 512000 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
           --set data.seq_len=64 --set train.batch_size=32 --set train.optimizer=muon)
   local S=0,1,2,3,4
-  group "$o" lane1 baseline,hb,nesterov,tmm,adam,adamw sharpness,forgetting $S "$MUON_GRID" &
-  local l1=$!
-  (
+  local l1= l2=
+  lane 1 && group "$o" lane1 baseline,hb,nesterov,tmm,adam,adamw sharpness,forgetting $S "$MUON_GRID" &
+  lane 1 && l1=$!
+  lane 2 && (
     group "$o" lane2 rmsprop,muon,ortho,soap,shampoo sharpness,forgetting $S "$MUON_GRID"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$MUON_GRID" --set model.mlp_hidden=224
   ) &
-  local l2=$!
+  lane 2 && l2=$!
   wait $l1 $l2
 }
 
