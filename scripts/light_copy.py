@@ -19,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-SKIP = {"checkpoints", ".lock"}
+SKIP = {"checkpoints", ".lock", ".manifest.lock", ".claims"}  # never copied: weights, and the live studies' locks
 
 
 def finished(item: dict) -> bool:
@@ -55,7 +55,7 @@ def copy_study(src: Path, dest: Path) -> tuple[int, int]:
     for entry in src.iterdir():
         if entry.is_dir() and entry.name in runs:
             copy_run(entry, dest / entry.name)
-        elif entry.is_file() and entry.name not in {"study.json", ".lock", ".manifest.lock"}:
+        elif entry.is_file() and entry.name != "study.json" and entry.name not in SKIP:
             shutil.copy2(entry, dest / entry.name)
     (dest / "study.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return kept, reset
