@@ -559,8 +559,9 @@ def compute_time(part_dir: Path) -> dict:
     items, untimed, machines, spans = 0, 0, {}, {}
     for sj in sorted(part_dir.rglob("study.json")):
         for it in json.loads(sj.read_text())["items"]:
-            if it.get("status") != "completed":
-                continue
+            if it.get("status") != "completed" or any(a.get("status") != "completed"
+                                                      for a in it.get("analyses", {}).values()):
+                continue  # not finished: an analysis still to run, or running now
             items += 1
             train += it.get("seconds") or 0.0
             analyses += sum(a.get("seconds") or 0.0 for a in it.get("analyses", {}).values())
@@ -593,7 +594,7 @@ def compute_markdown(c: dict) -> list[str]:
     if not c["items"]:
         return []
     where = "; ".join(f"{k}: {n}" for k, n in sorted(c["machines"].items(), key=lambda kv: -kv[1]))
-    missing = f"; {c['untimed']} runs have no recorded time for their training or an analysis" if c["untimed"] else ""
+    missing = f"; {c['untimed']} run(s) have no recorded time for their training or an analysis" if c["untimed"] else ""
     return [f"Compute: {c['items']} finished runs, {c['train_hours']:.1f} h of training and "
             f"{c['analysis_hours']:.1f} h of analyses (one torch thread each; sums of the times each process "
             f"measured{missing}). Runs by machine: {where}.{wall_markdown(c.get('wall_hours') or {})}", ""]
@@ -616,6 +617,44 @@ def tuning_markdown(rows: list[dict]) -> list[str]:
         means = ", ".join(f"{k}: {'–' if v is None else f'{v:.4f}'}" for k, v in r["means"].items())
         out.append(f"| {r['group']} | {r['arch']} | {r['chosen']}{' *' if r['at_edge'] else ''} | {means} |")
     return out + [""]
+
+
+def verdict_class(verdict: str) -> str:
+    """reproduced / reproduced in direction / not reproduced / mixed / not run yet: a verdict without its reason."""
+    for c in ("not run yet", "not reproduced", "mixed", "reproduced in direction", "reproduced"):
+        if verdict.startswith(c):
+            return c
+    return verdict
+
+
+def agreement(out: dict) -> list[dict]:
+    """Each claim's verdict in every part beside the grammar/AdamW part's: where they agree and where not."""
+    if "grammar" not in out:
+        return []
+    rows = []
+    for name, part in out.items():
+        if name == "grammar":
+            continue
+        ref = {r["claim"].split(".")[0]: r for r in out["grammar"]["rows"]}
+        for r in part["rows"]:
+            g = ref[r["claim"].split(".")[0]]
+            a, b = verdict_class(g["verdict"]), verdict_class(r["verdict"])
+            rows.append({"part": name, "claim": r["claim"].split(".")[0], "grammar": a, "other": b,
+                         "same": None if "not run yet" in (a, b) else a == b})
+    return rows
+
+
+def agreement_markdown(out: dict) -> list[str]:
+    rows = agreement(out)
+    if not rows:
+        return []
+    md = ["## Where the parts agree", "", "Each claim's verdict beside the grammar/AdamW part's (the reasons and numbers "
+          "are in each part's table):", "", "| part | claim | grammar, AdamW | this part | |", "|---|---|---|---|---|"]
+    md += [f"| {r['part']} | {r['claim']} | {r['grammar']} | {r['other']} | "
+           f"{'–' if r['same'] is None else 'same' if r['same'] else '**differs**'} |" for r in rows]
+    for r in rows:
+        out[r["part"]].setdefault("agreement", []).append({k: r[k] for k in ("claim", "grammar", "other", "same")})
+    return md + [""]
 
 
 def main(argv: list[str]) -> int:
@@ -644,6 +683,7 @@ def main(argv: list[str]) -> int:
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)
         return 1
+    md += agreement_markdown(out)
     atomic_write_json(root / "findings.json", out)
     atomic_write_text(root / "findings.md", "\n".join(md) + "\n")
     print("\n".join(md))

@@ -141,3 +141,18 @@ def test_wall_time_is_bounded_by_the_compute_it_spans(table):
         wall, busy = sum(c["wall_hours"].values()), c["train_hours"] + c["analysis_hours"]
         assert 0 < wall <= busy * 1.02 + 0.01  # + the minutes of setup each run has outside its measured seconds
         assert wall >= busy / 16
+
+
+def test_agreement_compares_verdicts_without_their_reasons():
+    row = lambda n, v: {"claim": f"{n}. a claim", "verdict": v}  # noqa: E731
+    out = {"grammar": {"rows": [row(4, "not reproduced (tmm ranks 7 of 11; lowest: soap)"), row(5, "reproduced"),
+                                row(8, "reproduced"), row(6, "mixed (x)")]},
+           "grammar-muon": {"rows": [row(4, "not reproduced (no difference resolved)"), row(5, "not run yet"),
+                                     row(8, "reproduced in direction (ρ = 0.55, weaker than 0.93)"),
+                                     row(6, "mixed (y)")]}}
+    got = {r["claim"]: r["same"] for r in F.agreement(out)}
+    assert got == {"4": True, "5": None, "8": False, "6": True}
+    assert F.agreement({"pydoc": out["grammar-muon"]}) == []  # nothing to compare with
+    md = "\n".join(F.agreement_markdown(out))
+    assert "| grammar-muon | 8 | reproduced | reproduced in direction | **differs** |" in md
+    assert [a["claim"] for a in out["grammar-muon"]["agreement"]] == ["4", "5", "8", "6"]
