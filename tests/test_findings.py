@@ -82,10 +82,10 @@ def test_direction_rules(lo, hi, below, verdict):
 def table(tmp_path_factory):
     if not (SAMPLE / "grammar" / "cem" / "study.json").exists():
         pytest.skip("sample_runs/findings is not in this checkout")
-    root = tmp_path_factory.mktemp("findings") / "findings"
-    shutil.copytree(SAMPLE, root)
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "findings.py"), str(root)], capture_output=True,
-                         text=True, timeout=300)
+    root = tmp_path_factory.mktemp("findings") / "sample_runs" / "findings"  # so that the commands it prints
+    shutil.copytree(SAMPLE, root)  # name sample_runs/findings/..., as docs/findings.md does
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "findings.py"), "sample_runs/findings"],
+                         capture_output=True, text=True, timeout=300, cwd=root.parents[1])
     assert res.returncode == 0, res.stderr
     return root, json.loads((root / "findings.json").read_text())
 
@@ -156,3 +156,17 @@ def test_agreement_compares_verdicts_without_their_reasons():
     md = "\n".join(F.agreement_markdown(out))
     assert "| grammar-muon | 8 | reproduced | reproduced in direction | **differs** |" in md
     assert [a["claim"] for a in out["grammar-muon"]["agreement"]] == ["4", "5", "8", "6"]
+
+
+def test_docs_findings_is_what_the_sample_runs_say(table):
+    """Every generated block of docs/findings.md (the verdict tables, details, learning rates, compute and wall
+    time) equals what scripts/findings.py computes now from sample_runs/findings: the document cannot cite numbers
+    its runs do not give."""
+    spec = importlib.util.spec_from_file_location("findings_doc", ROOT / "scripts" / "findings_doc.py")
+    doc_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(doc_mod)
+    root, _ = table
+    doc = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    regenerated = doc_mod.fill(doc, (root / "findings.md").read_text(encoding="utf-8"))
+    assert regenerated == doc, "docs/findings.md differs from sample_runs/findings: run scripts/findings.py " \
+                               "sample_runs/findings, then scripts/findings_doc.py"
