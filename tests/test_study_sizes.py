@@ -1,0 +1,82 @@
+"""scripts/study.sh's matched sizes, recomputed from the models: the baseline widened to tmm's parameters, shrunk
+to cem's, trained to LIMe's FLOPs, at 12 layers, and late-lowrank at 75% of the attention budget, for each corpus.
+The sizes are written into the script as numbers; a wrong one (the pydoc part's were once computed at another
+vocabulary) would compare groups that are not matched."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from cemtool.analysis.compute import arch_row
+from cemtool.data.grammar import default_grammar
+
+SCRIPT = (Path(__file__).resolve().parents[1] / "scripts" / "study.sh").read_text(encoding="utf-8")
+
+
+def part(name: str) -> dict:
+    """The variables a part's function sets: arrays as lists of words, the rest as strings."""
+    body = re.search(rf"^{name}\(\) \{{\n(.*?)^\}}", SCRIPT, re.S | re.M).group(1)
+    body = re.sub(r"#[^\n]*", "", body)  # comments
+    out = {k: shlex.split(v) for k, v in re.findall(r"^\s*([A-Z_0-9]+)=\((.*?)\)", body, re.S | re.M)}
+    out.update({k: v.strip('"') for k, v in re.findall(r"^\s*([A-Z_0-9]+)=([^(\s]\S*)", body, re.M)})
+    return out
+
+
+def sets(words: list[str]) -> list[str]:
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+def option(words: list[str], key: str) -> str:
+    return next(s.split("=", 1)[1] for s in sets(words) if s.startswith(key + "="))
+
+
+def size(arch: str, words: list[str], vocab: int, extra: tuple = ()) -> dict:
+    overrides = [s for s in sets(words) if s.startswith("model.")] + list(extra)
+    return arch_row(arch, overrides, vocab=vocab, seq_len=int(option(words, "data.seq_len")))
+
+
+@pytest.fixture(scope="module", params=["grammar", "pydoc"])
+def study(request):
+    v = part(request.param)
+    common = v["COMMON"]
+    # the vocabulary the runs have: the grammar's words, or the BPE size (pydoc's runs record vocab_size 1,024)
+    vocab = len(default_grammar().vocab) if request.param == "grammar" else int(option(common, "data.bpe_vocab_size"))
+    return request.param, v, common, vocab
+
+
+def test_wide_baseline_has_tmms_parameters(study):
+    _, v, common, vocab = study
+    wide, tmm = size("baseline", common + v["WIDE"], vocab), size("tmm", common, vocab)
+    assert abs(wide["params"] / tmm["params"] - 1) < 0.01
+
+
+def test_cem_size_baseline_has_cems_parameters(study):
+    _, v, common, vocab = study
+    small, cem = size("baseline", common + v["CEM_SIZE"], vocab), size("cem", common, vocab)
+    assert abs(small["non_embedding"] / cem["non_embedding"] - 1) < 0.01  # cemtool archs --match-params
+
+
+def test_flop_tokens_are_the_fewest_steps_past_limes_flops(study):
+    _, v, common, vocab = study
+    base, lime = size("baseline", common, vocab), size("lime", common, vocab)
+    tokens, flop_tokens = int(common[common.index("--tokens") + 1]), int(v["FLOP_TOKENS"])
+    step = int(option(common, "train.batch_size")) * int(option(common, "data.seq_len"))
+    assert flop_tokens % step == 0
+    assert base["flops_train"] * flop_tokens >= lime["flops_train"] * tokens
+    assert base["flops_train"] * (flop_tokens - step) < lime["flops_train"] * tokens
+
+
+def test_depth12_has_the_parameters_of_depth4(study):
+    _, v, common, vocab = study
+    deep, shallow = size("baseline", common + v["DEPTH12"], vocab), size("baseline", common, vocab)
+    assert deep["n_layer"] == 12
+    assert abs(deep["non_embedding"] / shallow["non_embedding"] - 1) < 0.01
+
+
+def test_late_lowrank_75_has_three_quarters_of_the_attention_budget(study):
+    _, v, common, vocab = study
+    low = size("baseline", common, vocab, (f"model.head_dims={v['LOWRANK_75']}",))
+    uniform = size("baseline", common, vocab)
+    assert low["attn_budget"] == pytest.approx(0.75 * uniform["attn_budget"])
