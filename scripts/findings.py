@@ -548,14 +548,14 @@ def saturation_row(root: Path) -> dict:
     fall = {t: {s: gain(t, 0, s) - gain(t, len(dims) - 2, s) for s in seeds} for t in lens}
     first = {t: paired([gain(t, 0, s) for s in seeds]) for t in lens}
     falls = {t: paired(list(fall[t].values())) for t in lens}
-    grow = [paired([fall[b][s] - fall[a][s] for s in seeds]) for a, b in zip(lens, lens[1:])]
-    steps = [f"{a}→{b}" for a, b in zip(lens, lens[1:])]
+    grow = [paired([fall[b][s] - fall[a][s] for s in seeds]) for a, b in zip(lens, lens[1:], strict=False)]
+    steps = [f"{a}→{b}" for a, b in zip(lens, lens[1:], strict=False)]
     diminishing = falls[lens[-1]]["lo"] > 0
     stronger = [g["lo"] > 0 for g in grow]
     if diminishing and all(stronger):
         verdict = "reproduced"
     elif diminishing or any(stronger):
-        held = [st for st, ok in zip(steps, stronger) if ok]
+        held = [st for st, ok in zip(steps, stronger, strict=True) if ok]
         verdict = (f"mixed (diminishing returns {'resolved' if diminishing else 'not resolved'} at T = {lens[-1]}; "
                    f"they diminish more at the longer T for {', '.join(held) if held else 'no step'} of "
                    f"{', '.join(steps)})")
@@ -565,7 +565,7 @@ def saturation_row(root: Path) -> dict:
     return {"claim": CLAIM9, "paper": "saturation theorem (qualitative)",
             "ours": f"fall of the returns, (gain of d_h {dims[0]}→{dims[1]}) − (gain of {dims[-2]}→{dims[-1]}): "
                     + "; ".join(f"T = {t}: {ci(falls[t])}{ap}" for t in lens) + "; its growth with T: "
-                    + "; ".join(f"{st} {ci(g)}{ap}" for st, g in zip(steps, grow)),
+                    + "; ".join(f"{st} {ci(g)}{ap}" for st, g in zip(steps, grow, strict=True)),
             "verdict": verdict,
             "detail": f"final validation loss of 1-layer models at H·d_h = {rep['budget']}, seeds "
                       f"{', '.join(map(str, seeds))}, {rep['steps']} steps, d_h = {', '.join(map(str, dims))}; gain of "
@@ -707,8 +707,9 @@ def agreement_markdown(out: dict) -> list[str]:
     rows = agreement(out)
     if not rows:
         return []
-    md = ["## Where the parts agree", "", "Each claim's verdict beside the grammar/AdamW part's (the reasons and numbers "
-          "are in each part's table):", "", "| part | claim | grammar, AdamW | this part | |", "|---|---|---|---|---|"]
+    md = ["## Where the parts agree", "", "Each claim's verdict beside the grammar/AdamW part's (the reasons and "
+          "numbers are in each part's table):", "", "| part | claim | grammar, AdamW | this part | |",
+          "|---|---|---|---|---|"]
     md += [f"| {r['part']} | {r['claim']} | {r['grammar']} | {r['other']} | "
            f"{'–' if r['same'] is None else 'same' if r['same'] else '**differs**'} |" for r in rows]
     for r in rows:

@@ -16,8 +16,8 @@ import re
 import sys
 from pathlib import Path
 
-TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learning rate, 5 comparison seeds (printed by "
-               "`python scripts/findings.py runs/findings`; the command behind each row is under \"Details\"):")
+TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learning rate, 5 comparison seeds (printed "
+               "by `python scripts/findings.py runs/findings`; the command behind each row is under \"Details\"):")
 DETAILS = "**Details** (means ± std over seeds, and the `cemtool compare` command of each row):"
 PART_TUNING = {"grammar-muon": "The Muon part (`train.muon_lr` for the blocks' matrices; AdamW at 3e-3 for the rest):",
                "pydoc": "The pydoc part (Python's documentation, BPE 1,024):"}
@@ -30,7 +30,7 @@ def parts(generated: str) -> dict[str, str]:
     """The sections of scripts/findings.py's findings.md: one per part (`## NAME: ...`), and `agree`."""
     out = {}
     heads = list(re.finditer(r"^## (.+)$", generated, re.M))
-    for m, nxt in zip(heads, heads[1:] + [None]):
+    for m, nxt in zip(heads, heads[1:] + [None], strict=True):
         text = generated[m.start():nxt.start() if nxt else len(generated)]
         name = "agree" if m.group(1).startswith("Where the parts agree") else m.group(1).split(":")[0]
         out[name] = text
