@@ -278,7 +278,7 @@ def claim4(p: Part) -> dict:
                     f"{ci(diff(field['tmm'], wide))}",
             "verdict": verdict, "detail": f"mean val loss, lowest first: {order}; baseline of tmm's size "
                                           f"{mean_sd(wide)}",
-            "dirs": p.dirs(("tmm", None), ("baseline", None), ("baseline", "baseline-wide"))}
+            "dirs": p.dirs(*((a, None) for a in ["tmm", *ranked]), ("baseline", "baseline-wide"))}
 
 
 CLAIM4 = "4. TMM reaches the lowest validation loss among the momentum variants and vanilla at matched compute"
@@ -304,7 +304,7 @@ def claim5(p: Part) -> dict:
             "verdict": verdict,
             "detail": f"val loss pooled over {'/'.join(MOMENTUM_ONLY)} {mean_sd(mom)}, over {'/'.join(PRECOND_ONLY)} "
                       f"{mean_sd(pre)}, vanilla {mean_sd(van)}",
-            "dirs": p.dirs(("hb", None), ("rmsprop", None), ("baseline", None))}
+            "dirs": p.dirs(*((a, None) for a in [*MOMENTUM_ONLY, *PRECOND_ONLY, "baseline"]))}
 
 
 def _lower_than_vanilla(p: Part, metric: str, claim: str, paper: str, digits: int) -> dict:
@@ -328,7 +328,7 @@ def _lower_than_vanilla(p: Part, metric: str, claim: str, paper: str, digits: in
             "verdict": verdict,
             "detail": f"pooled over {'/'.join(WITH_MOMENTUM)}: {mean_sd(mom, digits)}; vanilla {mean_sd(van, digits)}; "
                       f"baseline of the streams' size {mean_sd(wide, digits)}; per architecture (mean): {per}",
-            "dirs": p.dirs(("tmm", None), ("baseline", None), ("baseline", "baseline-wide"))}
+            "dirs": p.dirs(*((a, None) for a in ["tmm", *WITH_MOMENTUM, "baseline"]), ("baseline", "baseline-wide"))}
 
 
 def claim6(p: Part) -> dict:
