@@ -688,19 +688,22 @@ def verdict_class(verdict: str) -> str:
 
 
 def agreement(out: dict) -> list[dict]:
-    """Each claim's verdict in every part beside the grammar/AdamW part's: where they agree and where not."""
+    """Each claim's verdict in every part beside the grammar/AdamW part's: where they agree and where not. Each
+    part's rows are also set as its ``agreement`` in ``out`` (findings.json)."""
     if "grammar" not in out:
         return []
+    ref = {r["claim"].split(".")[0]: verdict_class(r["verdict"]) for r in out["grammar"]["rows"]}
     rows = []
     for name, part in out.items():
         if name == "grammar":
             continue
-        ref = {r["claim"].split(".")[0]: r for r in out["grammar"]["rows"]}
+        mine = []
         for r in part["rows"]:
-            g = ref[r["claim"].split(".")[0]]
-            a, b = verdict_class(g["verdict"]), verdict_class(r["verdict"])
-            rows.append({"part": name, "claim": r["claim"].split(".")[0], "grammar": a, "other": b,
-                         "same": None if "not run yet" in (a, b) else a == b})
+            claim = r["claim"].split(".")[0]
+            a, b = ref[claim], verdict_class(r["verdict"])
+            mine.append({"claim": claim, "grammar": a, "other": b, "same": None if "not run yet" in (a, b) else a == b})
+        part["agreement"] = mine
+        rows += [{"part": name, **m} for m in mine]
     return rows
 
 
@@ -713,8 +716,6 @@ def agreement_markdown(out: dict) -> list[str]:
           "|---|---|---|---|---|"]
     md += [f"| {r['part']} | {r['claim']} | {r['grammar']} | {r['other']} | "
            f"{'–' if r['same'] is None else 'same' if r['same'] else '**differs**'} |" for r in rows]
-    for r in rows:
-        out[r["part"]].setdefault("agreement", []).append({k: r[k] for k in ("claim", "grammar", "other", "same")})
     return md + [""]
 
 

@@ -422,7 +422,7 @@ def _toml_value(v) -> str:
     if isinstance(v, float):
         return repr(v) if math.isfinite(v) else ("nan" if math.isnan(v) else ("inf" if v > 0 else "-inf"))
     if isinstance(v, str):
-        return json.dumps(v)  # a JSON string (\uXXXX escapes) is a TOML basic string
+        return json.dumps(v)  # a JSON string (with its \u escapes) is a TOML basic string
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     raise TypeError(f"{type(v).__name__} has no TOML form")
