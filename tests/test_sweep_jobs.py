@@ -105,11 +105,14 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     proc = subprocess.Popen(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-    deadline, workers = time.time() + 300, set()
+    deadline, workers, tracker = time.time() + 300, set(), set()
     while True:
         assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()}"
         assert time.time() < deadline, "no item completed"
         workers |= children(proc.pid)
+        # multiprocessing's resource tracker, not a worker: named while it runs (between fork and exec a child
+        # reads as the sweep, and an exiting process's cmdline reads empty)
+        tracker |= {p for p in workers if "resource_tracker" in cmdline(p)}
         try:
             done = [i for i in manifest(out)["items"] if i["status"] == "completed"]
         except (FileNotFoundError, json.JSONDecodeError):
@@ -123,7 +126,6 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
     assert "interrupted" in proc.stderr.read()
-    tracker = {p for p in workers if "resource_tracker" in cmdline(p)}  # multiprocessing's, not a worker
     assert len(workers - tracker) >= 2 and not [p for p in workers - tracker if alive(p)]  # the sweep joined them
     deadline = time.time() + 10  # the tracker exits when it sees its pipe close, just after the sweep
     while [p for p in tracker if alive(p)] and time.time() < deadline:
