@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -55,14 +56,45 @@ def init_distributed(device: torch.device) -> Dist:
 
 
 def _leave() -> None:
-    """Destroy the process group before the interpreter tears down: otherwise a gloo worker thread may still be
-    joinable when its object is destroyed, and the process dies with 'terminate called without an active
-    exception' (seen once in a 2-rank analysis whose results were already written)."""
+    """Destroy the process group while the interpreter is still whole (at exit, for code that calls cemtool's
+    functions under torchrun; the CLI leaves through :func:`exit_process`, which calls this first)."""
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
     except Exception:  # exiting anyway: a peer that died already has its own error line
         pass
+
+
+def exit_code(code: object) -> int:
+    """The status ``sys.exit(code)`` gives: None is 0, an int itself, anything else 1 (its text printed)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+def exit_process(code: object) -> None:
+    """End a command run under torchrun without the interpreter's teardown; return (do nothing) otherwise.
+
+    ``destroy_process_group`` does not stop gloo's threads in torch 2.13: two ``pt_gloo_runloop`` threads and
+    ``gloo_tcp_loop`` still run after it (measured with /proc/self/task), and they are torn down with the C++
+    runtime at exit. That teardown once in a while aborted a rank whose work was finished and written
+    ('terminate called without an active exception', status 134 instead of 0), which torchrun reports as a failed
+    job. Once the process group is destroyed and the output flushed, nothing is left to do, so the process leaves
+    with ``os._exit`` and the command's own status.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    status = exit_code(code)
+    _leave()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
+            pass
+    os._exit(status)
 
 
 def current() -> Dist:

@@ -295,3 +295,11 @@ def test_forgetting_with_more_ranks_than_evaluation_windows_is_one_line(tmp_path
     assert res.exit_code == 1
     assert res.output.startswith("Error: 3 processes but only 2 evaluation sequences: every rank needs at least one")
     assert not (tmp_path / "ft").exists()  # refused before the fine-tune's directory is made
+
+
+def test_exit_status_is_what_sys_exit_would_give(capsys):
+    from cemtool.distributed import exit_code, exit_process
+
+    assert [exit_code(None), exit_code(0), exit_code(2), exit_code(130)] == [0, 0, 2, 130]
+    assert exit_code("Error: x") == 1 and capsys.readouterr().err == "Error: x\n"
+    exit_process(3)  # no process group: returns, and the caller's SystemExit goes on as usual

@@ -16,7 +16,13 @@ for _mod in COMMAND_MODULES:
 
 
 def main() -> None:
-    app()
+    try:
+        app()
+    except SystemExit as e:  # every command ends here (typer exits with the command's status)
+        from cemtool.distributed import exit_process
+
+        exit_process(e.code)  # under torchrun: leaves at once (see there); otherwise returns
+        raise
 
 
 __all__ = ["app", "main"]
