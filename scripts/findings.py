@@ -522,17 +522,24 @@ CLAIM9 = "9. Softmax saturation: diminishing returns in head dimension, stronger
 SATURATION_SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "study-saturation"  # the first study's
 
 
-def saturation_row(root: Path) -> dict:
-    """Claim 9 from the saturation sweep (scripts/study.sh saturation: ROOT/saturation; else the first study's, in
-    sample_runs/study-saturation). At a fixed budget H * d_h, the returns of growing d_h at sequence length T are
-    the gains of its doublings; they diminish by fall(T) = (gain of the first doubling) - (gain of the last), per
-    seed (runs with one seed saw the same batches). Diminishing returns: fall(T) > 0 at the longest T (resolved).
-    More so for long sequences: fall grows from each T to the next (paired by seed, resolved)."""
-    src = next((d for d in (root / "saturation", SATURATION_SAMPLE)
-                if (d / "reports" / "saturation_sweep.json").is_file()), None)
+def saturation_dirs(root: Path, part: str) -> list[Path]:
+    """Where each part's saturation sweep is, first found first: the grammar part's is the n-gram sweep
+    (scripts/study.sh saturation: ROOT/saturation; else the first study's, sample_runs/study-saturation), the pydoc
+    part's the sweep on its own text (ROOT/pydoc/saturation)."""
+    return [root / "saturation", SATURATION_SAMPLE] if part == "grammar" else [root / part / "saturation"]
+
+
+def saturation_row(root: Path, part: str = "grammar") -> dict:
+    """Claim 9 from the part's saturation sweep (:func:`saturation_dirs`). At a fixed budget H * d_h, the returns
+    of growing d_h at sequence length T are the gains of its doublings; they diminish by fall(T) = (gain of the
+    first doubling) - (gain of the last), per seed (runs with one seed saw the same batches). Diminishing returns:
+    fall(T) > 0 at the longest T (resolved). More so for long sequences: fall grows from each T to the next (paired
+    by seed, resolved)."""
+    src = next((d for d in saturation_dirs(root, part) if (d / "reports" / "saturation_sweep.json").is_file()), None)
     if src is None:
         return pending(CLAIM9, "saturation theorem (qualitative)")
     rep = json.loads((src / "reports" / "saturation_sweep.json").read_text())
+    opts = rep["provenance"]["options"]
     shown = "sample_runs/study-saturation" if src == SATURATION_SAMPLE else os.path.relpath(src)  # as the docs cite it
     loss: dict[tuple[int, int], dict[int, float]] = {}
     for r in rep["results"]:
@@ -568,15 +575,25 @@ def saturation_row(root: Path) -> dict:
                     + "; ".join(f"T = {t}: {ci(falls[t])}{ap}" for t in lens) + "; its growth with T: "
                     + "; ".join(f"{st} {ci(g)}{ap}" for st, g in zip(steps, grow, strict=True)),
             "verdict": verdict,
-            "detail": f"final validation loss of 1-layer models at H·d_h = {rep['budget']}, seeds "
+            "detail": f"final validation loss of 1-layer models on {_data_name(opts)} at H·d_h = {rep['budget']}, "
+                      f"seeds "
                       f"{', '.join(map(str, seeds))}, {rep['steps']} steps, d_h = {', '.join(map(str, dims))}; gain of "
                       f"the first doubling: " + "; ".join(f"T = {t} {ci(first[t])}{ap}" for t in lens)
                       + " (the table in the saturation section)",
             "dirs": [shown],
             "command": "cemtool saturation sweep " + " ".join(
                 f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
-                for k, v in rep["provenance"]["options"].items()
-                if k in ("head_dims", "budget", "seq_lens", "seeds", "steps")) + f" --out {shown}"}
+                for k, v in opts.items() if k in ("head_dims", "budget", "seq_lens", "seeds", "steps"))
+                + (f" --data {opts['data']}" if opts.get("data", "ngram") != "ngram" else "")
+                + "".join(f" --set {s}" for s in opts.get("set") or []) + f" --out {shown}"}
+
+
+def _data_name(opts: dict) -> str:
+    """The saturation sweep's data, as the table names it."""
+    data = opts.get("data", "ngram")
+    name = "the n-gram rule" if data == "ngram" else data
+    sets = [s for s in opts.get("set") or [] if s.startswith("data.")]
+    return name + (f" ({', '.join(sets)})" if sets else "")
 
 
 def tuning_rows(part_dir: Path) -> list[dict]:
@@ -729,7 +746,7 @@ def main(argv: list[str]) -> int:
         asked = PART_CLAIMS.get(name, CLAIMS)  # the muon part asks claims 4-8 only
         rows = [c(part) for c in asked]
         if asked is CLAIMS:
-            rows.insert(8, saturation_row(root))
+            rows.insert(8, saturation_row(root, name))
         out[name] = {"what": what, "rows": rows,
                      "groups": {f"{s}/{a}": len(rs) for (s, a), rs in sorted(part.groups.items())}}
         md += [f"## {name}: {what}", "", "| claim | paper | ours (95% interval) | verdict |", "|---|---|---|---|"]

@@ -188,3 +188,23 @@ def test_claim9_row_equals_a_recomputation_from_the_saturation_csv(table):
     row = next(r for r in out["grammar"]["rows"] if r["claim"].startswith("9."))
     assert f"T = {t}: {fall.mean():+.3f} [{ci.low:+.3f}, {ci.high:+.3f}]ᵖ" in row["ours"]
     assert ci.low > 0 or not row["verdict"].startswith("reproduced")  # diminishing returns are part of the claim
+
+
+def test_each_part_takes_claim9_from_its_own_saturation_sweep(tmp_path):
+    """The pydoc part's claim 9 is the sweep on its own text, never the grammar part's (n-gram) sweep."""
+    src = ROOT / "sample_runs" / "study-saturation"
+    if not (src / "reports" / "saturation_sweep.json").exists():
+        pytest.skip("sample_runs/study-saturation is not in this checkout")
+    shutil.copytree(src, tmp_path / "saturation")
+    assert F.saturation_row(tmp_path, "pydoc")["verdict"] == "not run yet"
+    grammar = F.saturation_row(tmp_path, "grammar")
+    assert grammar["dirs"] == [F.os.path.relpath(tmp_path / "saturation")] and "n-gram rule" in grammar["detail"]
+    mine = tmp_path / "pydoc" / "saturation"
+    shutil.copytree(src, mine)
+    rep = json.loads((mine / "reports" / "saturation_sweep.json").read_text())
+    rep["provenance"]["options"].update(data="pydoc", set=["data.tokenizer=bpe"])
+    (mine / "reports" / "saturation_sweep.json").write_text(json.dumps(rep))
+    row = F.saturation_row(tmp_path, "pydoc")
+    assert row["dirs"] == [F.os.path.relpath(mine)] and "pydoc (data.tokenizer=bpe)" in row["detail"]
+    assert row["command"].endswith(f"--data pydoc --set data.tokenizer=bpe --out {F.os.path.relpath(mine)}")
+    assert row["ours"] == grammar["ours"] and row["verdict"] == grammar["verdict"]  # the same numbers, its own place
