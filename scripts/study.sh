@@ -53,6 +53,8 @@ MOMENTUM_GRID=$LR_GRID,1e-1  # ortho and shampoo chose 3e-2, LR_GRID's edge, on 
 MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and tmm chose 0.04, the old edge: the
 # comparisons keep every other architecture's runs (cemtool sweep --tuned re-plans, docs/sweep.md)
 ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
+LANE1_ANALYSIS_ARGS=()  # more options for lane 1's analyses (the pydoc part: its sharpness measures what claims
+# 6 and 8 use, see there)
 MOMENTUM=hb,nesterov,tmm,adam,adamw,rmsprop,muon,ortho,soap,shampoo
 
 # one sweep: logged to DIR.log, a failure (a diverged grid point) noted and the lane continues
@@ -101,6 +103,7 @@ claims() {  # claims OUTDIR SEEDS
   mkdir -p "$o/tune"
   local l1= l2=
   lane 1 && (  # lane 1: the momentum streams (claims 4-8) with their analyses, and a same-size baseline
+    ANALYSIS_ARGS+=("${LANE1_ANALYSIS_ARGS[@]}")
     group "$o" momentum "$MOMENTUM" sharpness,forgetting $S "$MOMENTUM_GRID"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$LR_GRID" "${WIDE[@]}"
   ) &
@@ -168,6 +171,16 @@ print('\n'.join(inspect.getsource(m) for m in (argparse, json, logging, pathlib)
   DEPTH12=(--set model.n_layer=12 --set model.d_model=72 --set model.n_head=4
            --set model.mlp_hidden=204)  # ~779,400 non-embedding parameters vs 779,392 at depth 4
   ANALYSIS_ARGS=(--to "$target")
+  # lane 1's sharpness (the momentum group, baseline-wide): the trace, tr(H)/n, which claims 6 and 8 use, with the
+  # estimator, seed and 2,048 tokens of the core group's full report (bit-identical with or without the other
+  # measurements; in batches of 4 sequences it differs at rounding level, 7e-8 relative on a small soap model),
+  # and SAM/ASAM; no Lanczos, spectral density or slice, which no claim uses. At this width soap's and shampoo's
+  # Hessian-vector products are slow (32x32 Newton iterations per token): 4 products and SAM/ASAM on 2,048 tokens
+  # took 77 s on one core with the study beside it, so the full protocol's ~80 products would add 15-20 min to each
+  # soap or shampoo run. Memory: a soap product's peak RSS was 4.3 GB at 4 sequences per batch and 8.0 at 8; all 16
+  # at once would need about 15 GB, and two lane-1 workers would not fit in 24 GB. Kept graphs are capped at 2 GiB
+  LANE1_ANALYSIS_ARGS=(-A sharpness.lanczos_steps=0 -A sharpness.density_runs=0 -A sharpness.landscape=none
+                       -A sharpness.batch_size=4 -A sharpness.graph_memory=2)
   claims "$OUT/pydoc" 0,1,2
   lane 2 && saturation "$OUT/pydoc/saturation" --data pydoc --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
   return 0
