@@ -208,3 +208,17 @@ def test_each_part_takes_claim9_from_its_own_saturation_sweep(tmp_path):
     assert row["dirs"] == [F.os.path.relpath(mine)] and "pydoc (data.tokenizer=bpe)" in row["detail"]
     assert row["command"].endswith(f"--data pydoc --set data.tokenizer=bpe --out {F.os.path.relpath(mine)}")
     assert row["ours"] == grammar["ours"] and row["verdict"] == grammar["verdict"]  # the same numbers, its own place
+
+
+def test_claim8_waits_for_the_momentum_models():
+    """Sharpness and forgetting of the core group alone (baseline, LIMe) are no verdict on the momentum claim."""
+    def run(arch, seed, tr, fg):
+        return {"run": f"/x/core/{arch}-s{seed}", "trace_per_param": tr, "forgetting": fg}
+
+    class P:
+        groups = {("core", "baseline"): [run("baseline", s, 1e-3 + s * 1e-4, 0.3 + s * 0.01) for s in range(3)],
+                  ("core", "lime"): [run("lime", s, 2e-3 + s * 1e-4, 0.2 + s * 0.01) for s in range(3)]}
+
+    assert F.claim8(P())["verdict"] == "not run yet"
+    P.groups[("momentum", "tmm")] = [run("tmm", s, 5e-4 + s * 1e-4, 0.1 + s * 0.01) for s in range(3)]
+    assert F.claim8(P())["verdict"] != "not run yet" and "9 runs" in F.claim8(P())["ours"]
