@@ -182,8 +182,9 @@ print('\n'.join(inspect.getsource(m) for m in (argparse, json, logging, pathlib)
   LANE1_ANALYSIS_ARGS=(-A sharpness.lanczos_steps=0 -A sharpness.density_runs=0 -A sharpness.landscape=none
                        -A sharpness.batch_size=4 -A sharpness.graph_memory=2)
   claims "$OUT/pydoc" 0,1,2
-  # claim 9 on the text: 8 seeds, because with 3 its intervals were +-1.3 nats (the models' final losses vary by
-  # about 0.2 nats from seed to seed at one head size, against a few hundredths between head sizes)
+  # claim 9 on the text: 8 seeds, because with 3 its intervals were up to +-1.3 nats (at one T and head size the
+  # final losses have a standard deviation of 0.1-0.3 nats over seeds; the means of two head sizes differ by at most
+  # 0.13). With 8, +-0.1 to +-0.3
   lane 2 && saturation "$OUT/pydoc/saturation" 0,1,2,3,4,5,6,7 --data pydoc --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
   return 0
 }
