@@ -21,6 +21,7 @@ def plot_sweep(report: dict, plots_dir: str | Path, name: str = "saturation_swee
     fig, axes = new_figure(6.4, 4.4)
     ax = axes[0, 0]
     colors = [PALETTE[k % len(PALETTE)] for k in range(len(summary))]
+    any_floor = False
     for c, s in zip(colors, summary, strict=True):
         pts = s["points"]
         x = [p["head_dim"] for p in pts]
@@ -30,12 +31,13 @@ def plot_sweep(report: dict, plots_dir: str | Path, name: str = "saturation_swee
         floors = [p["floor"] for p in pts if p["floor"] is not None]
         if floors:
             ax.axhline(float(np.mean(floors)), color=c, ls="--", lw=0.8)
+            any_floor = True
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("head size d_h (heads H = budget / d_h)")
     ax.set_ylabel("final validation loss (nats/token)")
     ax.set_title(f"{report['task']}: budget H d_h = {report['budget']}, {report['steps']} steps, "
-                 f"{len(report['seeds'])} seed(s); dashed = floor", fontsize=9)
+                 f"{len(report['seeds'])} seed(s)" + ("; dashed = floor" if any_floor else ""), fontsize=9)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     legend_below(fig, handles, labels, most=2)
