@@ -94,6 +94,12 @@ def exit_process(code: object) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
             pass
+    try:  # C's stdio buffers too (a library's own log lines on a piped stdout)
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
     os._exit(status)
 
 

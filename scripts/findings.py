@@ -347,7 +347,7 @@ def claim8(p: Part) -> dict:
     pairs = [(r["trace_per_param"], r["forgetting"]) for rs in both.values() for r in rs]
     groups = ", ".join(f"{s}/{a} ({len(rs)})" for (s, a), rs in sorted(both.items()) if rs)
     if len(pairs) < 3 or not any(rs for (_, a), rs in both.items() if a in MOMENTUM):
-        return pending(CLAIM8, "Spearman 0.93")  # a claim about the momentum models: not before they are measured
+        return pending(CLAIM8, "Spearman 0.93")  # a claim about the momentum models: not before one is measured
     s = spearman([a for a, _ in pairs], [b for _, b in pairs])
     rho, pv = s["rho"], s["p"]
     verdict = "reproduced" if rho is not None and rho > 0 and pv < 0.05 else \

@@ -14,7 +14,7 @@
 #            tokens per run (200 steps of 16 x 128: 2.7 epochs; the corpus is too small for the few million tokens
 #            one would like without many more repeats), forgetting measured by fine-tuning on Python source code;
 #            tuning seeds 100,101, comparison seeds 0,1,2; claim 9's saturation sweep on the same text, 8 seeds
-#            (lane 2, after the claims: OUT/pydoc/saturation)
+#            (at the end of lane 2: OUT/pydoc/saturation)
 #   saturation  claim 9: cemtool saturation sweep (45 one-layer models) on the built-in n-gram rule
 #   report   the comparisons and figures (cemtool compare / plot per paper) and the verdict table
 #            (python scripts/findings.py OUT -> OUT/findings.md) from whatever has finished
@@ -53,6 +53,7 @@ MOMENTUM_GRID=$LR_GRID,1e-1  # ortho and shampoo chose 3e-2, LR_GRID's edge, on 
 MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and tmm chose 0.04, the old edge: the
 # comparisons keep every other architecture's runs (cemtool sweep --tuned re-plans, docs/sweep.md)
 ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
+SATURATION=()  # a part's own saturation sweep at the end of lane 2: SEEDS [DATA OPTIONS...] (the pydoc part)
 LANE1_ANALYSIS_ARGS=()  # more options for lane 1's analyses (the pydoc part: its sharpness measures what claims
 # 6 and 8 use, see there)
 MOMENTUM=hb,nesterov,tmm,adam,adamw,rmsprop,muon,ortho,soap,shampoo
@@ -120,6 +121,7 @@ claims() {  # claims OUTDIR SEEDS
     group "$o" late-lowrank baseline "" $S "$LR_GRID" --set model.alloc_strategy=late-lowrank
     group "$o" late-lowrank-75 baseline "" $S "$LR_GRID" --set "model.head_dims=$LOWRANK_75"
     group "$o" depth12 baseline,lime collapse $S "$LR_GRID" "${DEPTH12[@]}"
+    [ ${#SATURATION[@]} = 0 ] || saturation "$o/saturation" "${SATURATION[@]}"  # the part's own claim-9 sweep
   ) &
   lane 2 && l2=$!
   wait $l1 $l2
@@ -181,22 +183,26 @@ print('\n'.join(inspect.getsource(m) for m in (argparse, json, logging, pathlib)
   # at once would need about 15 GB, and two lane-1 workers would not fit in 24 GB. Kept graphs are capped at 2 GiB
   LANE1_ANALYSIS_ARGS=(-A sharpness.lanczos_steps=0 -A sharpness.density_runs=0 -A sharpness.landscape=none
                        -A sharpness.batch_size=4 -A sharpness.graph_memory=2)
-  claims "$OUT/pydoc" 0,1,2
   # claim 9 on the text: 8 seeds, because with 3 its intervals were up to +-1.3 nats (at one T and head size the
   # final losses have a standard deviation of 0.1-0.3 nats over seeds; the means of two head sizes differ by at most
   # 0.13). With 8, +-0.1 to +-0.3
-  lane 2 && saturation "$OUT/pydoc/saturation" 0,1,2,3,4,5,6,7 --data pydoc --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
-  return 0
+  SATURATION=(0,1,2,3,4,5,6,7 --data pydoc --set data.tokenizer=bpe --set data.bpe_vocab_size=1024)
+  claims "$OUT/pydoc" 0,1,2
 }
 
 saturation() {  # saturation OUTDIR SEEDS [DATA OPTIONS...]: claim 9's sweep (the default data: the n-gram rule)
   local o=$1 seeds=$2; shift 2
   if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: 5 head sizes x 3 lengths x seeds $seeds $*"; return 0; fi
   echo "$(date -u +%FT%TZ) start $o" >> "$OUT/study.log"
+  local rc=0
   $CEMTOOL saturation sweep --head-dims 2,4,8,16,32 --budget 32 --seq-lens 16,64,256 --seeds "$seeds" \
-    --steps 300 "$@" --out "$o" --quiet > "$o.log" 2>&1
-  $CEMTOOL plot "$o" --no-each-run --quiet
-  echo "$(date -u +%FT%TZ) done  $o" >> "$OUT/study.log"
+    --steps 300 "$@" --out "$o" --quiet > "$o.log" 2>&1 && $CEMTOOL plot "$o" --no-each-run --quiet >> "$o.log" 2>&1 \
+    || rc=$?
+  if [ $rc = 0 ]; then
+    echo "$(date -u +%FT%TZ) done  $o" >> "$OUT/study.log"
+  else  # noted, and the study goes on (as a failed sweep does)
+    echo "$(date -u +%FT%TZ) exit $rc $o (see $o.log)" >> "$OUT/study.log"
+  fi
 }
 
 # the comparisons and figures of docs/findings.md, and its verdict table (STUDY/findings.md), from what has finished

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 
 from cemtool.cli.app import app
 
@@ -19,9 +20,10 @@ def main() -> None:
     try:
         app()
     except SystemExit as e:  # every command ends here (typer exits with the command's status)
-        from cemtool.distributed import exit_process
+        if "torch.distributed" in sys.modules:  # only a command that imported torch can have joined a process group
+            from cemtool.distributed import exit_process
 
-        exit_process(e.code)  # under torchrun: leaves at once (see there); otherwise returns
+            exit_process(e.code)  # under torchrun: leaves at once (see there); otherwise returns
         raise
 
 
