@@ -631,7 +631,8 @@ def compute_time(part_dir: Path) -> dict:
     measured by the process that did it), where they ran (python and torch versions, host, device), and the wall
     time per host: the union of the intervals in which one of the part's processes was training (meta.json's
     started..ended) or analysing (a report's creation time minus its measured seconds), so time between sessions
-    and the lanes' overlap are not counted."""
+    and the lanes' overlap are not counted. A run resumed from a checkpoint counts its measured training seconds up
+    to its end (its started..ended would include the gap between sessions)."""
     train = analyses = 0.0
     items, untimed, machines, spans = 0, 0, {}, {}
     for sj in sorted(part_dir.rglob("study.json")):
@@ -653,6 +654,9 @@ def compute_time(part_dir: Path) -> dict:
             machines[key] = machines.get(key, 0) + 1
             host = spans.setdefault(f"{meta.get('hostname', '?')} ({key})", [])
             t0, t1 = _when(meta.get("started")), _when(meta.get("ended"))
+            if meta.get("resumed") and t1 is not None and it.get("seconds") is not None:
+                t0 = max(t0 if t0 is not None else -math.inf, t1 - it["seconds"])  # started..ended would span the
+                # gap between the sessions it ran in: its measured seconds, up to its end, instead
             if t0 is not None and t1 is not None:
                 host.append((t0, t1))
             for a in it.get("analyses", {}).values():

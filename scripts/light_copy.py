@@ -75,10 +75,11 @@ def main(argv: list[str]) -> int:
     for study in studies:
         kept, reset = copy_study(study, dest / study.relative_to(src))
         print(f"{study.relative_to(src)}: {kept} finished item(s) kept, {reset} reset to pending")
-    for f in src.rglob("*"):  # logs and notes beside the studies (study.log, DIR.log, the pydoc target text)
+    for f in src.rglob("*"):  # logs, notes and sweeps beside the studies (study.log, DIR.log, the pydoc target
+        # text, a saturation sweep's reports and run records), without their weights and locks
         rel = f.relative_to(src)
-        if f.is_file() and not any((src / p).is_dir() and (src / p / "study.json").exists()
-                                   for p in [*rel.parents][:-1]):
+        if f.is_file() and not SKIP & set(rel.parts) and not f.name.endswith(".tmp") \
+                and not any((src / p).is_dir() and (src / p / "study.json").exists() for p in [*rel.parents][:-1]):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, dest / rel)
     return 0

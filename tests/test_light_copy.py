@@ -49,3 +49,23 @@ def test_a_light_copy_continues_to_the_same_result(tmp_path):
     report = json.loads((kept / "baseline-s1" / "reports" / "collapse.json").read_text())
     assert report["runs"][0]["summary"] == json.loads(
         (tmp_path / "whole" / "baseline-s1" / "reports" / "collapse.json").read_text())["runs"][0]["summary"]
+
+
+def test_files_beside_the_studies_are_copied_without_weights_and_locks(tmp_path):
+    """A saturation sweep's folder (no study.json) sits beside the studies: its reports and run records are kept,
+    its checkpoints and lock files are not."""
+    src = tmp_path / "runs"
+    (src / "study").mkdir(parents=True)
+    (src / "study" / "study.json").write_text(json.dumps({"status": "completed", "items": []}))
+    run = src / "part" / "saturation" / "runs" / "T16-dh2-s0"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "final.safetensors").write_bytes(b"weights")
+    (run / ".lock").write_text("")
+    (run / "meta.json").write_text("{}")
+    (src / "part" / "saturation" / "reports").mkdir()
+    (src / "part" / "saturation" / "reports" / "saturation_sweep.json").write_text("{}")
+    (src / "part" / "saturation" / "partial.json.tmp").write_text("")
+    assert light_copy().main(["light_copy.py", str(src), str(tmp_path / "kept")]) == 0
+    kept = sorted(str(p.relative_to(tmp_path / "kept")) for p in (tmp_path / "kept").rglob("*") if p.is_file())
+    assert kept == ["part/saturation/reports/saturation_sweep.json", "part/saturation/runs/T16-dh2-s0/meta.json",
+                    "study/study.json"]
