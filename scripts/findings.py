@@ -576,9 +576,8 @@ def saturation_row(root: Path, part: str = "grammar") -> dict:
                     + "; ".join(f"{st} {ci(g)}{ap}" for st, g in zip(steps, grow, strict=True)),
             "verdict": verdict,
             "detail": f"final validation loss of 1-layer models on {_data_name(opts)} at H·d_h = {rep['budget']}, "
-                      f"seeds "
-                      f"{', '.join(map(str, seeds))}, {rep['steps']} steps, d_h = {', '.join(map(str, dims))}; gain of "
-                      f"the first doubling: " + "; ".join(f"T = {t} {ci(first[t])}{ap}" for t in lens)
+                      f"seeds {', '.join(map(str, seeds))}, {rep['steps']} steps, d_h = {', '.join(map(str, dims))}; "
+                      f"gain of the first doubling: " + "; ".join(f"T = {t} {ci(first[t])}{ap}" for t in lens)
                       + " (the table in the saturation section)",
             "dirs": [shown],
             "command": "cemtool saturation sweep " + " ".join(
@@ -655,8 +654,7 @@ def compute_time(part_dir: Path) -> dict:
             host = spans.setdefault(f"{meta.get('hostname', '?')} ({key})", [])
             t0, t1 = _when(meta.get("started")), _when(meta.get("ended"))
             if meta.get("resumed") and t1 is not None and it.get("seconds") is not None:
-                t0 = max(t0 if t0 is not None else -math.inf, t1 - it["seconds"])  # started..ended would span the
-                # gap between the sessions it ran in: its measured seconds, up to its end, instead
+                t0 = t1 - it["seconds"]  # started..ended would span the gap between its sessions
             if t0 is not None and t1 is not None:
                 host.append((t0, t1))
             for a in it.get("analyses", {}).values():
