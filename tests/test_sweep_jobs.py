@@ -22,8 +22,8 @@ ARCHS, SEEDS = "baseline,tmm", "0,1"
 COLLAPSE = ["-A", "collapse.tokens=2048", "-A", "collapse.per_class=16"]
 
 
-def sweep_cmd(out: Path, *extra: str) -> list[str]:
-    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", ARCHS, "--seeds", SEEDS, "--tokens", str(TOKENS),
+def sweep_cmd(out: Path, *extra: str, seeds: str = SEEDS) -> list[str]:
+    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", ARCHS, "--seeds", seeds, "--tokens", str(TOKENS),
             "--analyses", "collapse", *COLLAPSE, "--out", str(out), "--device", "cpu", *extra]
     for s in TINY:
         args += ["--set", s]
@@ -101,32 +101,42 @@ def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
 def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     serial = serial[1]
     out = tmp_path / "study"
+    # 12 items of about a second each: after the first ends there is work left for both workers well past the
+    # Ctrl-C's grace time below (with 4 items a worker could finish its last one in that time and exit as it should)
+    seeds = "0,1,2,3,4,5"
+    cmd = sweep_cmd(out, "--jobs", "2", "-q", seeds=seeds)
     # started as a script's background job is: SIGINT ignored, in its own process group
-    proc = subprocess.Popen(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline, workers, tracker = time.time() + 300, set(), set()
     while True:
         assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()}"
         assert time.time() < deadline, "no item completed"
-        workers |= children(proc.pid)
-        # multiprocessing's resource tracker, not a worker: named while it runs (between fork and exec a child
-        # reads as the sweep, and an exiting process's cmdline reads empty)
-        tracker |= {p for p in workers if "resource_tracker" in cmdline(p)}
+        # named by what they run: a worker runs multiprocessing's spawn_main, the resource tracker its own main;
+        # any other child (a git call, a child between fork and exec) is neither
+        for p in children(proc.pid):
+            line = cmdline(p)
+            if "spawn_main" in line:
+                workers.add(p)
+            elif "resource_tracker" in line:
+                tracker.add(p)
         try:
             done = [i for i in manifest(out)["items"] if i["status"] == "completed"]
         except (FileNotFoundError, json.JSONDecodeError):
             done = []
-        if done and len(workers - tracker) >= 2:
+        if done and len(workers) >= 2:
             break
         time.sleep(0.05)
+    assert len(workers) == 2
     os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C the sweep ignores is ignored by its workers too
-    time.sleep(2)
-    assert proc.poll() is None and all(alive(p) for p in workers)  # every worker (and the tracker) still runs
+    time.sleep(1.5)
+    assert proc.poll() is None and all(alive(p) for p in workers | tracker)  # every worker (and the tracker) runs
+    assert "interrupted" not in {i["status"] for i in manifest(out)["items"]}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
     assert "interrupted" in proc.stderr.read()
-    assert len(workers - tracker) >= 2 and not [p for p in workers - tracker if alive(p)]  # the sweep joined them
+    assert not [p for p in workers if alive(p)]  # the sweep joined them
     deadline = time.time() + 10  # the tracker exits when it sees its pipe close, just after the sweep
     while [p for p in tracker if alive(p)] and time.time() < deadline:
         time.sleep(0.05)
@@ -135,11 +145,13 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     assert m["status"] == "interrupted"
     assert {i["status"] for i in m["items"]} <= {"completed", "interrupted", "pending"}
     assert "running" not in {i["status"] for i in m["items"]}
-    res = subprocess.run(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert "pending" in {i["status"] for i in m["items"]}  # stopped with work left, as meant
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     m = manifest(out)
-    assert m["status"] == "completed"
-    assert [i["val_loss"] for i in m["items"]] == [i["val_loss"] for i in serial["items"]]
+    assert m["status"] == "completed" and len(m["items"]) == 12
+    got = {i["name"]: i["val_loss"] for i in m["items"]}
+    assert {i["name"]: got[i["name"]] for i in serial["items"]} == {i["name"]: i["val_loss"] for i in serial["items"]}
 
 
 def test_bad_jobs_is_a_usage_error(tmp_path):
