@@ -395,13 +395,27 @@ class Run:
         return self.update_meta(status="running", resumed=self.meta().get("resumed", 0) + 1, device=device,
                                 **changes)
 
-    def mark_failed(self, error: str, **changes: Any) -> None:
-        """Best effort (the disk may be full): status failed with the error, so that the run does not stay
-        'running'."""
+    def end_session(self, session: dict, status: str, best_effort: bool = False, **changes: Any) -> None:
+        """Record the end of one process's training of this run: ``session`` (its ``started``, ``from_step``,
+        ``to_step``, ``seconds`` and ``device``) is appended to meta.json's ``sessions`` with its ``ended`` time,
+        and ``train_seconds`` becomes the sum over the run's sessions, so a resumed run counts every session's
+        training, not only its last. A run written before sessions were recorded keeps what it knew of its earlier
+        training as one session with unknown start and steps. ``best_effort``: a failure to write is ignored (a
+        failing run must not hide its own error behind a full disk)."""
         try:
-            self.update_meta(status="failed", ended=now(), error=error[:300], **changes)
+            meta = self.meta()
+            sessions = meta.get("sessions")
+            if not isinstance(sessions, list):
+                sessions = [] if meta.get("train_seconds") is None else [
+                    {"started": None, "ended": meta.get("ended"), "from_step": None, "to_step": None,
+                     "seconds": meta["train_seconds"], "device": meta.get("device")}]
+            sessions = [*sessions, {**session, "ended": now()}]
+            total = sum(s.get("seconds") or 0.0 for s in sessions)
+            self.update_meta(status=status, ended=sessions[-1]["ended"], sessions=sessions, train_seconds=total,
+                             **changes)
         except (CemtoolError, OSError):
-            pass
+            if not best_effort:
+                raise
 
     def metrics(self, skipped: list[str] | None = None) -> list[dict]:
         return read_jsonl(self.path / "metrics.jsonl", skipped)

@@ -214,6 +214,11 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
 
     t0 = time.perf_counter()
     t_log, tok_log = t0, 0
+    started, first_step = _now(), step  # this process's session of the run (meta.json "sessions")
+
+    def session() -> dict:
+        return {"started": started, "from_step": first_step, "to_step": step,
+                "seconds": time.perf_counter() - t0, "device": str(dev)}
     val_loss: float | None = None
     status = "completed"
     done_here = 0
@@ -292,31 +297,31 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
         status = "interrupted"
     except NonFiniteLoss:
         if writer is not None:
-            writer.update_meta(status="failed", ended=_now(), step=step, error="non-finite loss")
+            writer.end_session(session(), "failed", best_effort=True, step=step, error="non-finite loss")
         raise
     except torch.OutOfMemoryError:
         if writer is not None:
-            writer.update_meta(status="failed", ended=_now(), step=step, error="out of memory")
+            writer.end_session(session(), "failed", best_effort=True, step=step, error="out of memory")
         raise CemtoolError(f"out of memory on {dev} (batch_size={tc.batch_size}, seq_len={T}, "
                            f"d_model={cfg.model.d_model})",
                            hint="shrink train.batch_size (use train.grad_accum to keep the batch), data.seq_len "
                                 "or the model") from None
     except (CemtoolError, OSError) as e:  # e.g. disk full: the run must not stay "running"
         if writer is not None:
-            writer.mark_failed(str(e), step=step)
+            writer.end_session(session(), "failed", best_effort=True, step=step, error=str(e)[:300])
         raise
     seconds = time.perf_counter() - t0
     if writer is not None:
         if status == "completed":
             if not _finite(model.parameters()):
-                writer.update_meta(status="failed", ended=_now(), step=step, error="non-finite weights")
+                writer.end_session(session(), "failed", step=step, error="non-finite weights")
                 raise NonFiniteLoss(f"the weights became non-finite at step {step}; no final checkpoint written")
             save_checkpoint(writer, "final", model, step=step, optimizer=None,
                             state={"tokens": tokens_seen, "val_loss": val_loss})
-        writer.update_meta(status=status, ended=_now(), step=step, tokens=tokens_seen, val_loss=val_loss,
-                           val_bpb=bits_per_byte(val_loss, bytes_per_token), val_ppl=perplexity(val_loss),
-                           epochs=tokens_seen / epoch_tokens, val_floor=floor, entropy_rate=corpus.entropy_rate,
-                           params=params, train_seconds=seconds, world_size=dd.world)
+        writer.end_session({**session(), "seconds": seconds}, status, step=step, tokens=tokens_seen,
+                           val_loss=val_loss, val_bpb=bits_per_byte(val_loss, bytes_per_token),
+                           val_ppl=perplexity(val_loss), epochs=tokens_seen / epoch_tokens, val_floor=floor,
+                           entropy_rate=corpus.entropy_rate, params=params, world_size=dd.world)
     _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
     return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token))
 

@@ -625,13 +625,34 @@ def union_hours(spans: list[tuple[float, float]]) -> float:
     return total / 3600
 
 
+def training_spans(meta: dict) -> list[tuple[float, float]]:
+    """The intervals in which a run was training: meta.json's sessions (one per process that trained it), or, for
+    a run written before sessions were recorded, started..ended; for such a run that was resumed, its measured
+    seconds up to its end (started..ended would span the gap between its sessions, and what it measured is its
+    last session's training only)."""
+    sessions = meta.get("sessions")
+    if isinstance(sessions, list):
+        spans = []
+        for s in sessions:
+            t1 = _when(s.get("ended"))
+            t0 = _when(s.get("started"))
+            if t0 is None and t1 is not None and s.get("seconds") is not None:
+                t0 = t1 - s["seconds"]  # a session carried over from before sessions were recorded
+            if t0 is not None and t1 is not None:
+                spans.append((t0, t1))
+        return spans
+    t0, t1 = _when(meta.get("started")), _when(meta.get("ended"))
+    if meta.get("resumed") and t1 is not None and meta.get("train_seconds") is not None:
+        t0 = t1 - meta["train_seconds"]
+    return [(t0, t1)] if t0 is not None and t1 is not None else []
+
+
 def compute_time(part_dir: Path) -> dict:
     """What the part's finished items cost, from the studies' own records: training and analysis seconds (each
     measured by the process that did it), where they ran (python and torch versions, host, device), and the wall
     time per host: the union of the intervals in which one of the part's processes was training (meta.json's
     started..ended) or analysing (a report's creation time minus its measured seconds), so time between sessions
-    and the lanes' overlap are not counted. A run resumed from a checkpoint counts its measured training seconds up
-    to its end (its started..ended would include the gap between sessions)."""
+    and the lanes' overlap are not counted (:func:`training_spans`)."""
     train = analyses = 0.0
     items, untimed, machines, spans = 0, 0, {}, {}
     for sj in sorted(part_dir.rglob("study.json")):
@@ -652,11 +673,7 @@ def compute_time(part_dir: Path) -> dict:
             key = f"python {v.get('python', '?')}, torch {v.get('torch', '?')}, {meta.get('device', '?')}"
             machines[key] = machines.get(key, 0) + 1
             host = spans.setdefault(f"{meta.get('hostname', '?')} ({key})", [])
-            t0, t1 = _when(meta.get("started")), _when(meta.get("ended"))
-            if meta.get("resumed") and t1 is not None and it.get("seconds") is not None:
-                t0 = t1 - it["seconds"]  # started..ended would span the gap between its sessions
-            if t0 is not None and t1 is not None:
-                host.append((t0, t1))
+            host.extend(training_spans(meta))
             for a in it.get("analyses", {}).values():
                 try:
                     made = json.loads((sj.parent / a["report"]).read_text())["provenance"]["created"]

@@ -130,6 +130,24 @@ def test_union_of_intervals_against_a_fine_grid():
     assert F.union_hours([]) == 0.0 and F.union_hours([(0.0, 3600.0), (0.0, 3600.0)]) == pytest.approx(1.0)
 
 
+def test_training_spans_are_the_sessions_not_the_gap_between_them():
+    day = F._when("2026-01-01T00:00:00+00:00")
+    at = lambda h: f"2026-01-01T{h:02d}:00:00+00:00"  # noqa: E731
+    # two sessions of a resumed run: the night between them is not training
+    meta = {"started": at(0), "ended": at(10), "resumed": 1, "train_seconds": 3 * 3600.0,
+            "sessions": [{"started": at(0), "ended": at(1), "seconds": 3600.0},
+                         {"started": at(8), "ended": at(10), "seconds": 7200.0}]}
+    assert F.training_spans(meta) == [(day, day + 3600), (day + 8 * 3600, day + 10 * 3600)]
+    # a session carried over from an older run: no start, its seconds back from its end
+    meta["sessions"][0]["started"] = None
+    assert F.training_spans(meta)[0] == (day, day + 3600)
+    # older runs: started..ended, or for a resumed one its last measured seconds up to its end
+    old = {"started": at(0), "ended": at(10), "train_seconds": 7200.0}
+    assert F.training_spans(old) == [(day, day + 10 * 3600)]
+    assert F.training_spans({**old, "resumed": 1}) == [(day + 8 * 3600, day + 10 * 3600)]
+    assert F.training_spans({"started": at(0), "ended": None}) == []
+
+
 def test_wall_time_is_bounded_by_the_compute_it_spans(table):
     """The wall time of a part is at most the sum of its processes' times (they overlap in lanes) and at least
     that sum over the most processes that ever ran at once here (2 lanes x 2 sweep workers, plus the device's 12)."""

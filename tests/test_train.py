@@ -258,6 +258,45 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, text_file):
     assert open_run(run.path).meta()["status"] == "completed"
 
 
+def test_every_session_of_a_resumed_run_is_recorded(tmp_path, text_file):
+    """meta.json keeps one session per process that trained the run (its start, end, steps and seconds), and
+    train_seconds is their sum: a resumed run counts its first session's training too. A run written before
+    sessions were recorded keeps its earlier seconds as one session of unknown start."""
+    from typer.testing import CliRunner
+
+    from cemtool.cli.main import app
+
+    cfg, corpus = _tiny(text_file, "train.ckpt_every=5")
+    run = create_run(tmp_path / "r", cfg, extra_meta={"corpus": corpus.info})
+    corpus.tokenizer.save(run.path / "tokenizer.json")
+    assert train(cfg, corpus, run, device="cpu", stop_after=7).status == "interrupted"
+    run.unlock()
+    meta = open_run(run.path).meta()
+    [first] = meta["sessions"]
+    assert (first["from_step"], first["to_step"], first["device"]) == (0, 7, "cpu")
+    assert meta["train_seconds"] == first["seconds"] > 0 and meta["ended"] == first["ended"]
+    res = CliRunner().invoke(app, ["train", "--resume", str(run.path), "--quiet"])
+    assert res.exit_code == 0, res.output
+    meta = open_run(run.path).meta()
+    assert meta["sessions"][0] == first and len(meta["sessions"]) == 2
+    second = meta["sessions"][1]
+    assert (second["from_step"], second["to_step"]) == (5, 30)  # from its last checkpoint
+    assert second["started"] >= first["ended"] and meta["ended"] == second["ended"]
+    assert meta["train_seconds"] == pytest.approx(first["seconds"] + second["seconds"], rel=1e-12)
+    assert meta["status"] == "completed" and meta["resumed"] == 1
+    # a run from before sessions: its last known training becomes a session with no start
+    old = {k: v for k, v in meta.items() if k != "sessions"}
+    old.update(status="interrupted", train_seconds=12.5, ended="2026-01-01T00:00:00+00:00")
+    (run.path / "meta.json").write_text(json.dumps(old))
+    r = open_run(run.path)
+    r.end_session({"started": "2026-01-02T00:00:00+00:00", "from_step": 30, "to_step": 30, "seconds": 1.5,
+                   "device": "cpu"}, "completed")
+    meta = r.meta()
+    assert meta["sessions"][0] == {"started": None, "ended": "2026-01-01T00:00:00+00:00", "from_step": None,
+                                   "to_step": None, "seconds": 12.5, "device": "cpu"}
+    assert meta["train_seconds"] == 14.0 and meta["sessions"][1]["seconds"] == 1.5
+
+
 def test_absurd_model_refused_with_estimate_before_allocating(tmp_path, tiny_run):
     """issue 10 item 9: d_model=10**9 in a hand-edited config.json allocated 8 GB before failing as an internal
     error. Sizes within the field ranges that cannot fit are refused from the config, with the estimate."""
