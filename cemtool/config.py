@@ -423,10 +423,15 @@ def resolve(arch: str | None = None, file: str | Path | list | tuple | None = No
     return validate(from_dict(RunConfig, data))
 
 
+def uniform_head_dim(d_model: int, n_head: int, head_dim: int = 0) -> int:
+    """The head size of the uniform model: ``model.head_dim``, or d_model // n_head where it is 0."""
+    return head_dim or d_model // n_head
+
+
 def validate(cfg: RunConfig) -> RunConfig:
     """Cross-field checks that no single field can express."""
     m = cfg.model
-    hd = m.head_dim or (m.d_model // m.n_head)
+    hd = uniform_head_dim(m.d_model, m.n_head, m.head_dim)
     if m.head_dim == 0 and m.d_model % m.n_head:
         raise ConfigError(f"model.n_head={m.n_head} does not divide model.d_model={m.d_model}",
                           hint="set model.head_dim explicitly")

@@ -227,7 +227,8 @@ def _shown(name: str, settings: dict) -> Any:
         from cemtool.models.layers import mlp_hidden
         return f"{mlp_hidden(d, settings.get('model.mlp', 'swiglu'), 0)}(auto)"
     if name == "model.head_dim" and isinstance(settings.get("model.n_head"), int):
-        return f"{d // settings['model.n_head']}(auto)"
+        from cemtool.config import uniform_head_dim
+        return f"{uniform_head_dim(d, settings['model.n_head'])}(auto)"
     return v
 
 

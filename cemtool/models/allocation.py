@@ -29,7 +29,7 @@ Every pair holds 2 H d_h, so D is exact for every size the config allows, by con
 
 from __future__ import annotations
 
-from cemtool.config import ModelConfig
+from cemtool.config import ModelConfig, uniform_head_dim
 from cemtool.errors import ConfigError
 
 STRATEGIES = ("uniform", "early-heavy", "late-lowrank")
@@ -47,7 +47,7 @@ def uniform_shape(cfg: ModelConfig) -> tuple[int, int]:
     if not cfg.head_dim and cfg.d_model % cfg.n_head:
         raise ConfigError(f"model.n_head={cfg.n_head} does not divide model.d_model={cfg.d_model}",
                           hint="set model.head_dim explicitly")
-    return cfg.n_head, cfg.head_dim or cfg.d_model // cfg.n_head
+    return cfg.n_head, uniform_head_dim(cfg.d_model, cfg.n_head, cfg.head_dim)
 
 
 def uniform_budget(cfg: ModelConfig) -> int:
