@@ -212,6 +212,17 @@ def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp)
 
 
+def is_section(key: str, cls: type | None = None) -> bool:
+    """Whether a dotted config key names a section (model, model.momentum, ...) rather than a field."""
+    tp: Any = cls or RunConfig
+    for part in key.split("."):
+        hints = _hints(tp) if _is_section(tp) else {}
+        if part not in hints:
+            return False
+        tp = hints[part]
+    return _is_section(tp)
+
+
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -343,6 +354,9 @@ def parse_override(item: str) -> dict:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
+    if is_section(key) and not isinstance(value, dict):
+        raise ConfigError(f"--set {key}: {key} is a config section and must be a table/object, got "
+                          f"{type(value).__name__}", hint=f"set one of its fields, e.g. --set {key}.<field>=...")
     out: dict = {}
     node = out
     parts = key.split(".")

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from cemtool.config import RunConfig, parse_override, resolve, to_dict
+from cemtool.config import RunConfig, is_section, parse_override, resolve, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.errors import CemtoolError
 from cemtool.runs import Run, atomic_write_json, create_run, is_run, now, open_lock_file, open_run, read_json
@@ -75,7 +75,11 @@ ANALYSES = ("sharpness", "collapse", "forgetting")
 COLLAPSE_DEFAULTS = {"checkpoint": "final", "tokens": 16384, "seq_len": None, "batch_size": 16, "alpha": 0.5,
                      "words": None, "k": 4, "folds": 5, "per_class": 256, "min_per_class": 16,
                      "seed": 0}  # cemtool collapse-report's
-RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data"}
+RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data",
+            "schema_version": None}  # set by the sweep: refused in --set and --grid
+# a grid over it would train one config (every run trains --tokens tokens); in --set it must agree with --tokens
+STEPS_KEY = "train.max_steps"
+MAX_RUN_NAME = 150  # characters of a run folder's name (a fine-tune's and the temporary names add to it)
 SELECTION = "selection.json"
 FORGETTING_KEYS = {"steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint", "lr", "beta1", "beta2",
                    "weight_decay", "min_lr_ratio", "grad_clip"}
@@ -124,9 +128,13 @@ def _split_list(value: str | list | tuple, what: str, plural: str) -> list[str]:
 def parse_seeds(seeds: str | list) -> list[int]:
     seed_strs = _split_list(seeds, "seed", "seeds")
     try:
-        return [int(s) for s in seed_strs]
+        seeds = [int(s) for s in seed_strs]
     except ValueError:
         raise CemtoolError(f"seeds must be integers, got {','.join(seed_strs)}") from None
+    dup = sorted({s for s in seeds if seeds.count(s) > 1})
+    if dup:
+        raise CemtoolError(f"seed {dup[0]} is listed twice")
+    return seeds
 
 
 def item_config(plan: Plan, arch: str, seed: int, point: dict | None = None) -> RunConfig:
@@ -171,8 +179,13 @@ def parse_grid(grid: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]
             raise CemtoolError(f"--grid {item!r} is not of the form key=v1,v2,...",
                                hint="e.g. --grid train.lr=1e-3,3e-3")
         key, raw = _override_key(item), item.split("=", 1)[1]
-        if key in RESERVED:
-            raise CemtoolError(f"--grid {key} is not a grid key: use {RESERVED[key]}")
+        if key in RESERVED or key == STEPS_KEY:
+            use = "--tokens (every run trains --tokens tokens)" if key == STEPS_KEY else RESERVED[key]
+            raise CemtoolError(f"--grid {key} is not a grid key" + (f": use {use}" if use else ""))
+        if is_section(key):
+            raise CemtoolError(f"--grid {key} names a config section, not a field",
+                               hint=f"grid one of its fields, e.g. --grid {key}.<field>=v1,v2 (cemtool config "
+                                    f"--fields lists them)")
         if key in [k for k, _ in out]:
             raise CemtoolError(f"--grid {key} is given twice", hint="list all its values in one --grid")
         values = _split_values(raw)
@@ -220,16 +233,43 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
         raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=f"choose from {', '.join(ANALYSES)}")
     if tokens is not None and tokens < 1:
         raise CemtoolError(f"--tokens must be positive, got {tokens}")
+    for o in overrides:
+        key = _override_key(o)
+        if key in RESERVED:
+            raise CemtoolError(f"--set {key} is not for a sweep: the sweep sets it"
+                               + (f"; use {RESERVED[key]}" if RESERVED[key] else ""))
+    if target is not None and "forgetting" not in chosen:
+        raise CemtoolError(f"--to {target} is the forgetting analysis' target, but forgetting is not among the "
+                           f"analyses", hint="add --analyses forgetting, or drop --to")
     arch_overrides = {a: list(v) for a, v in (arch_overrides or {}).items()}
     _check_grid(grid, overrides, arch_overrides, arch_list)
     draft = Plan(tuple(arch_list), (), 0, data, tuple(overrides), grid=tuple(grid), arch_overrides=arch_overrides)
-    for a in arch_list:  # validates every architecture at every grid point
-        for point in grid_points(draft):
-            resolve(arch=a, overrides=item_overrides(draft, a, point), data_source=data)
+    points = grid_points(draft)
+    for a in arch_list:  # validates every architecture at every grid point; two points may not be one config
+        seen: dict[str, dict] = {}
+        for point in points:
+            key = json.dumps(to_dict(resolve(arch=a, overrides=item_overrides(draft, a, point), data_source=data)),
+                             sort_keys=True)
+            if key in seen:
+                raise CemtoolError(f"--grid: for {a}, {_point_str(seen[key])} and {_point_str(point)} give the "
+                                   f"same config", hint="list each value once")
+            seen[key] = point
     cfgs = [resolve(arch=a, overrides=item_overrides(draft, a), data_source=data) for a in arch_list]
     if tokens is None:
         c = cfgs[0]
         tokens = c.train.max_tokens or total_steps(c) * c.train.batch_size * c.train.grad_accum * c.data.seq_len
+    if STEPS_KEY in {_override_key(o) for o in overrides}:  # ignored by the runs (they train --tokens): must agree
+        for a, c in zip(arch_list, cfgs, strict=True):
+            per_step = c.train.batch_size * c.train.grad_accum * c.data.seq_len
+            if c.train.max_steps * per_step != tokens:
+                raise CemtoolError(f"--set {STEPS_KEY}={c.train.max_steps} ({c.train.max_steps * per_step:,} tokens "
+                                   f"for {a}) disagrees with --tokens {tokens:,}: every run of a sweep trains "
+                                   f"--tokens tokens", hint=f"drop --set {STEPS_KEY}")
+    for a in arch_list:  # every item's own config (its seed and tokens), before anything is created
+        for seed in seed_list:
+            item_config(Plan(tuple(arch_list), (), int(tokens), data, tuple(overrides),
+                             arch_overrides=arch_overrides), a, seed, points[0])
+    check_data_source(data)
     if "forgetting" in chosen and target is None:
         target = {"grammar": "grammar-b", "grammar-b": "grammar"}.get(data)
         if target is None:
@@ -246,12 +286,31 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     plan = Plan(tuple(arch_list), tuple(seed_list), int(tokens), data, tuple(overrides), tuple(chosen), target,
                 options, tuple(grid), arch_overrides, tuned_from)
     names = [it["name"] for it in new_manifest(plan)["items"]]
+    long = [n for n in names if len(n) > MAX_RUN_NAME]
+    if long:
+        raise CemtoolError(f"the run name {long[0][:60]}... is {len(long[0])} characters long (at most "
+                           f"{MAX_RUN_NAME}: a run's folder is named after its grid point)",
+                           hint="use shorter grid values")
     folded = [n.casefold() for n in names]  # run folders: one folder on a case-insensitive file system (macOS)
     clash = sorted({n for n, f in zip(names, folded, strict=True) if folded.count(f) > 1})
     if clash:
         raise CemtoolError(f"two grid points give the same run name {clash[0]!r} (run folder names are compared "
                            f"ignoring case)", hint="write the values apart")
     return plan
+
+
+def _point_str(point: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items()) or "(no grid)"
+
+
+def check_data_source(data: str) -> None:
+    """A training data source that is neither built in nor an existing file or folder is refused at planning."""
+    import cemtool.data.synthetic  # noqa: F401 (registers its sources)
+    from cemtool.data.corpus import sources
+
+    if data not in sources() and not Path(data).expanduser().exists():
+        raise CemtoolError(f"--data {data!r}: no such file or folder (and not a built-in source: "
+                           f"{', '.join(sources())})")
 
 
 def _check_grid(grid, overrides, arch_overrides: dict, archs: list[str]) -> None:
@@ -284,6 +343,66 @@ def _check_options(options: dict, chosen: list[str]) -> None:
         bad = sorted(set(opts) - known[name])
         if bad:
             raise CemtoolError(f"unknown {name} option {bad[0]!r}", hint=f"known: {', '.join(sorted(known[name]))}")
+        _check_option_values(name, opts)
+
+
+# the analyses' options a sweep takes with -A, beyond the sharpness measurement's own (SharpnessOptions checks
+# those): (type, lowest value, whether None is allowed); floats must also be finite
+OPTION_VALUES = {
+    "sharpness": {"tokens": (int, 1, False), "checkpoint": (str, None, False)},
+    "collapse": {"checkpoint": (str, None, False), "tokens": (int, 1, False), "seq_len": (int, 1, True),
+                 "batch_size": (int, 1, False), "alpha": (float, 0.0, False), "words": (str, None, True),
+                 "k": (int, 1, False), "folds": (int, 2, False), "per_class": (int, 1, False),
+                 "min_per_class": (int, 1, False), "seed": (int, 0, False)},
+    "forgetting": {"steps": (int, 1, False), "warmup_steps": (int, 0, False), "eval_every": (int, 1, False),
+                   "eval_tokens": (int, 1, False), "checkpoint": (str, None, False), "lr": (float, 0.0, False),
+                   "beta1": (float, 0.0, False), "beta2": (float, 0.0, False), "weight_decay": (float, 0.0, False),
+                   "min_lr_ratio": (float, 0.0, False), "grad_clip": (float, 0.0, False)},
+}
+
+
+def _check_option_values(name: str, opts: dict) -> None:
+    """Every -A value of one analysis is of its type and in range, before the study exists (not after a run has
+    trained): a NaN, a negative count or a string where a number goes is refused."""
+    from cemtool.analysis.sharpness import SharpnessOptions
+
+    def check(key: str, v, tp: type, low, none_ok: bool) -> None:
+        if v is None and none_ok:
+            return
+        if tp is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        elif tp is int:
+            ok = isinstance(v, int) and not isinstance(v, bool)
+        else:
+            ok = isinstance(v, tp)
+        if not ok or (low is not None and v < low):
+            want = {int: "a whole number", float: "a finite number", str: "a string", bool: "true or false",
+                    tuple: "a list"}.get(tp, tp.__name__)
+            raise CemtoolError(f"-A {name}.{key}={json.dumps(v)}: must be {want}"
+                               + (f" >= {low}" if low is not None else ""))
+
+    table = dict(OPTION_VALUES.get(name, {}))
+    if name == "sharpness":
+        for f in fields(SharpnessOptions):
+            if f.name in table or f.name == "device" or f.name not in opts:
+                continue
+            default = f.default
+            tp = type(default) if default is not None else float  # graph_memory, density_sigma: numbers or null
+            table[f.name] = (tp, None, default is None)
+    for key, v in opts.items():
+        if key in table:
+            tp = table[key][0]
+            check(key, tuple(v) if tp is tuple and isinstance(v, list) else v, *table[key])
+    if name == "forgetting":
+        for key in ("beta1", "beta2", "min_lr_ratio"):
+            if key in opts and opts[key] > 1:
+                raise CemtoolError(f"-A forgetting.{key}={opts[key]}: must be <= 1")
+    if name == "sharpness":
+        rest = {k: tuple(v) if isinstance(v, list) else v for k, v in opts.items() if k not in ("tokens", "checkpoint")}
+        try:
+            SharpnessOptions(**rest)  # its own checks (ranges, methods, Lanczos steps against k)
+        except TypeError as e:
+            raise CemtoolError(f"-A sharpness: {e}") from None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -511,9 +630,11 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
     path = out / "study.json"
     if path.exists():
         manifest = read_json(path, "study manifest")
-        if manifest.get("kind") != "cemtool-study" or manifest.get("schema_version", 0) > SCHEMA_VERSION:
-            raise CemtoolError(f"{path} is not a study manifest this cemtool understands")
+        _check_manifest(manifest, path)
         stored = Plan.from_dict(manifest["plan"])
+        if plan is not None and plan.tuned_from != stored.tuned_from and _same_study(plan.tuned_from,
+                                                                                    stored.tuned_from, out):
+            plan = replace(plan, tuned_from=stored.tuned_from)  # the same tuning study, named another way
         if plan is not None and plan != stored:
             added = grid_extension(stored, plan)
             if added == {}:  # the same values, listed in another order: the same study
@@ -532,10 +653,76 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
         return Study(out, manifest)
     if plan is None:
         raise CemtoolError(f"{out} holds no study (no study.json)")
-    if out.exists() and (not out.is_dir() or any(p.name != ".lock" for p in out.iterdir())):
-        raise CemtoolError(f"{out} exists and is not a study directory", hint="choose another --out")
+    check_new_study_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     return Study(out, new_manifest(plan))
+
+
+def check_new_study_dir(out: Path) -> None:
+    """A new study goes into a folder that does not exist yet or is empty."""
+    if out.exists() and (not out.is_dir() or any(p.name != ".lock" for p in out.iterdir())):
+        raise CemtoolError(f"{out} exists and is not a study directory", hint="choose another --out")
+
+
+def _same_study(given: str | None, stored: str | None, out: Path) -> bool:
+    """Whether ``given`` (a --tuned path, from the current folder) names the tuning study stored as ``stored`` (as
+    it was given then: from the folder the study was started in, which may not be this one, so also tried from
+    the study's own folder and its parents)."""
+    if given is None or stored is None:
+        return False
+    here = Path(given).expanduser()
+    bases = [Path.cwd(), *Path(out).resolve().parents] if not Path(stored).is_absolute() else [Path("/")]
+    for base in bases:
+        try:
+            if os.path.samefile(here, base / stored):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_manifest(manifest, path: Path) -> None:
+    """study.json as cemtool writes it, or one clear error (a hand-edited or truncated file is not a traceback)."""
+    def bad(why: str) -> CemtoolError:
+        return CemtoolError(f"{path} is not a valid study manifest ({why})",
+                            hint="restore it, or start the study afresh in another --out")
+
+    if not isinstance(manifest, dict) or manifest.get("kind") != "cemtool-study":
+        raise bad("not a cemtool-study object")
+    version = manifest.get("schema_version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise bad(f"schema_version {version!r} is not a whole number")
+    if version > SCHEMA_VERSION:
+        raise CemtoolError(f"{path} was written by a newer cemtool (study schema {version}, this one reads "
+                           f"{SCHEMA_VERSION})", hint="upgrade cemtool")
+    plan = manifest.get("plan")
+    if not isinstance(plan, dict):
+        raise bad("no plan")
+    try:
+        p = Plan.from_dict(plan)
+    except TypeError as e:
+        raise bad(f"its plan: {e}") from None
+    if not (all(isinstance(a, str) for a in p.archs) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                           for x in p.seeds) and isinstance(p.tokens, int)):
+        raise bad("its plan's archs, seeds or tokens have the wrong types")
+    items = manifest.get("items")
+    if not isinstance(items, list):
+        raise bad("no list of items")
+    for k, it in enumerate(items):
+        if not isinstance(it, dict):
+            raise bad(f"item {k} is not an object")
+        for key, types in (("name", str), ("arch", str), ("run", str), ("status", str), ("analyses", dict)):
+            if not isinstance(it.get(key), types):
+                raise bad(f"item {k} has no {key}")
+        if it["run"] in ("", ".", "..") or "/" in it["run"] or "\\" in it["run"] or it["run"].startswith("."):
+            raise bad(f"item {it['name']}: run {it['run']!r} is not a folder name inside the study")
+        if not isinstance(it.get("seed"), int) or isinstance(it.get("seed"), bool):
+            raise bad(f"item {it['name']}: seed {it.get('seed')!r} is not a whole number")
+        v = it.get("val_loss")
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise bad(f"item {it['name']}: val_loss {v!r} is not a number")
+        if any(not isinstance(a, dict) or not isinstance(a.get("status"), str) for a in it["analyses"].values()):
+            raise bad(f"item {it['name']}: an analysis has no status")
 
 
 def _value(key: str, v: str) -> str:
@@ -677,9 +864,38 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
         study.manifest["status"] = "completed" if all(_finished(it) for it in study.manifest["items"]) \
             else "incomplete"
         study.save()
+    except KeyboardInterrupt:
+        raise  # the item and the study are marked interrupted where it was caught
+    except BaseException as e:
+        if study.owned is None and study.manifest.get("status") == "running":
+            _stopped_by(study, e)
+        raise
     finally:
         lock.unlock()
     return study.manifest
+
+
+def _stopped_by(study: Study, error: BaseException) -> None:
+    """An error ended the sweep: what was running is marked failed with it, and the study incomplete (so that
+    study.json does not say running for a sweep that is gone). Best effort: the error itself is what matters."""
+    what = error.message if isinstance(error, CemtoolError) else f"internal error ({type(error).__name__}: {error})"
+    for item in study.manifest["items"]:
+        for entry in [item, *item.get("analyses", {}).values()]:
+            if entry.get("status") == "running":
+                entry.update(status="failed", error=what[:300])
+    study.manifest["status"] = "incomplete"
+    try:
+        study.save()
+    except (CemtoolError, OSError):
+        pass
+
+
+def _not_a_link(path: Path) -> None:
+    """A study's run folders are its own: one that is a symbolic link (made by someone else) is refused, not
+    followed to wherever it points."""
+    if path.is_symlink():
+        raise CemtoolError(f"{path} is a symbolic link: cemtool does not follow links it did not make",
+                           hint="remove the link; the study makes the folder itself")
 
 
 def _finished(item: dict) -> bool:
@@ -907,6 +1123,7 @@ def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit
     from cemtool.train import finalize_model_config, train
 
     plan, path = study.plan, study.path / item["run"]
+    _not_a_link(path)
     cfg = item_config(plan, item["arch"], item["seed"], item.get("point"))
     clear_partial_run(path)
     resume = is_run(path)
@@ -957,6 +1174,7 @@ def _analyse(study: Study, item: dict, name: str, dev: torch.device, emit: Callb
     report, ft = _report_path(study.path, item, name, plan)
     entry = item["analyses"].setdefault(name, {"status": "pending", "report": None, "error": None})
     if ft is not None:
+        _not_a_link(ft)
         entry["run"] = ft.name
     if report.exists():
         if entry["status"] != "completed":

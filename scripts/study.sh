@@ -91,7 +91,8 @@ tuned_dir() { while [ $# -gt 0 ]; do [ "$1" = --tuned ] && { echo "$2"; return; 
 group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   local out=$1 name=$2 archs=$3 analyses=$4 seeds=$5 grid=$6; shift 6
   sweep "$out/tune/$name" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
-  local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses" "${ANALYSIS_ARGS[@]}")
+  local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses")
+  [[ ",$analyses," == *,forgetting,* ]] && an+=("${ANALYSIS_ARGS[@]}")  # --to is forgetting's (refused without it)
   sweep "$out/$name" --tuned "$out/tune/$name" --seeds "$seeds" "${an[@]}"
 }
 

@@ -165,11 +165,32 @@ def test_rerunning_a_finished_study_changes_nothing(interrupted, tmp_path):
     (["--archs", "baseline", "--seeds", ","], "no seeds given"),
     (["--archs", "baseline", "--seeds", "0,x"], "seeds must be integers"),
     (["--archs", "baseline", "--seeds", "1,1"], "listed twice"),
+    (["--archs", "baseline", "--seeds", "1,01"], "seed 1 is listed twice"),
+    (["--archs", "baseline", "--analyses", "sharpness", "-A", "sharpness.tokens"],
+     "is not of the form analysis.key=value"),
     (["--archs", "baseline", "--analyses", "hessian"], "unknown analysis 'hessian'"),
     (["--archs", "baseline", "--data", "pydoc", "--analyses", "forgetting"], "forgetting needs target data"),
     (["--archs", "baseline", "--analyses", "forgetting", "--to", "pydoc"], "cannot be tokenized"),
     (["--archs", "baseline", "--analyses", "collapse", "-A", "collapse.nope=1"], "unknown collapse option"),
     (["--archs", "baseline", "--tokens", "0"], "must be positive"),
+    # what the sweep sets itself, or a whole section, is refused rather than silently overridden
+    (["--archs", "tmm", "--set", "model=x"], "model is a config section and must be a table/object"),
+    (["--archs", "baseline", "--set", "seed=7"], "--set seed is not for a sweep: the sweep sets it; use --seeds"),
+    (["--archs", "baseline", "--set", "data.source=pydoc"], "use --data"),
+    (["--archs", "baseline", "--set", "schema_version=0"], "--set schema_version is not for a sweep"),
+    (["--archs", "baseline", "--tokens", "5000", "--set", "train.max_steps=10"], "disagrees with --tokens 5,000"),
+    # every item's values, the data and the analyses' options are checked before the study exists
+    (["--archs", "baseline", "--seeds", "0,-1"], "seed=-1 is not allowed"),
+    (["--archs", "baseline", "--tokens", "99999999999999999999"], "train.max_tokens=99999999999999999999"),
+    (["--archs", "baseline", "--data", "/nonexistent/texts.txt"], "no such file or folder"),
+    (["--archs", "baseline", "--to", "pydoc"], "forgetting is not among the analyses"),
+    (["--archs", "baseline", "--analyses", "sharpness", "-A", "sharpness.sam_rho=NaN"],
+     "-A sharpness.sam_rho=NaN: must be a finite number"),
+    (["--archs", "baseline", "--analyses", "sharpness", "-A", "sharpness.tokens=-5"], "must be a whole number >= 1"),
+    (["--archs", "baseline", "--analyses", "sharpness", "-A", "sharpness.top_k=x"], "sharpness.top_k=\"x\""),
+    (["--archs", "baseline", "--analyses", "collapse", "-A", 'collapse.alpha="x"'], "must be a finite number"),
+    (["--archs", "baseline", "--analyses", "forgetting", "-A", "forgetting.lr=1e999"], "forgetting.lr=Infinity"),
+    (["--archs", "baseline", "--analyses", "forgetting", "-A", "forgetting.beta2=1.5"], "must be <= 1"),
 ])
 def test_bad_plan_one_line(args, message, tmp_path):
     res = runner.invoke(app(), ["sweep", *args, "--out", str(tmp_path / "s"), "-q"])
@@ -178,10 +199,17 @@ def test_bad_plan_one_line(args, message, tmp_path):
     assert not (tmp_path / "s").exists()
 
 
-def test_other_plan_in_existing_study_is_refused(interrupted):
-    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--tokens", str(TOKENS), *sets(), "--out",
-                                str(interrupted[0]), "-q"])
-    assert res.exit_code == 1 and "planned with other settings" in res.output
+def test_other_plan_in_existing_study_is_refused(interrupted, tmp_path):
+    before = snapshot(interrupted[0])
+    for dry in ([], ["--dry-run"]):  # a dry run refuses what the run would refuse
+        res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--tokens", str(TOKENS), *sets(), "--out",
+                                    str(interrupted[0]), "-q", *dry])
+        assert res.exit_code == 1 and "planned with other settings" in res.output
+    assert snapshot(interrupted[0]) == before
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--out", str(tmp_path / "full"), "--dry-run"])
+    assert res.exit_code == 1 and "exists and is not a study directory" in res.output
     res = runner.invoke(app(), ["sweep", "--resume", str(interrupted[0]), "--archs", "tmm"])
     assert res.exit_code == 2
     with pytest.raises(CemtoolError, match="holds no study"):
@@ -191,7 +219,8 @@ def test_other_plan_in_existing_study_is_refused(interrupted):
 # --------------------------------------------------------------------------------------------------------------
 # grids and the selection of tuned values
 
-TUNE = [s for s in TINY if not s.startswith("train.lr=")]  # the learning rate comes from the grid
+# the learning rate comes from the grid; the steps from --tokens (a --set train.max_steps must agree with it)
+TUNE = [s for s in TINY if not s.startswith(("train.lr=", "train.max_steps="))]
 
 
 def test_grid_is_the_product_and_names_carry_the_point():
@@ -222,6 +251,12 @@ def test_grid_is_the_product_and_names_carry_the_point():
     (["train.lr=-1,1e-3"], [], "train.lr=-1"),
     (["data.tokenizer=/x/a/b.json,/x/a_b.json"], [], "give the same run name 'baseline-tokenizer=_x_a_b.json-s0'"),
     (["data.tokenizer=/x/A.json,/x/a.json"], [], "give the same run name 'baseline-tokenizer=_x_A.json-s0'"),
+    (["model=a,b"], [], "--grid model names a config section, not a field"),
+    (['model={"n_layer":1,"d_model":16}'], [], "--grid model names a config section"),
+    (["train.max_steps=10,20"], [], "use --tokens"),
+    (["train.lr=1,1.0"], [], "train.lr=1 and train.lr=1.0 give the same config"),
+    (["train.weight_decay=0,0.0"], [], "train.weight_decay=0 and train.weight_decay=0.0 give the same config"),
+    ([f"data.tokenizer=/x/{'a' * 200}.json,byte"], [], "characters long"),
 ])
 def test_bad_grid_one_line(grid, extra, message, tmp_path):
     args = ["sweep", "--archs", "baseline", *[a for g in grid for a in ("--grid", g)],
@@ -230,6 +265,44 @@ def test_bad_grid_one_line(grid, extra, message, tmp_path):
     assert res.exit_code == 1, res.output
     assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
     assert not (tmp_path / "s").exists()
+
+
+def test_a_linked_run_folder_is_refused_not_followed(tmp_path):
+    """A run folder of the study that is a symbolic link (not made by cemtool) is refused: the run is not written
+    where it points, and study.json does not say running once the sweep has stopped."""
+    from cemtool.sweep import open_study
+
+    out, outside = tmp_path / "study", tmp_path / "outside"
+    outside.mkdir()
+    open_study(out, make_plan("baseline", "0", tokens=TOKENS, overrides=TINY)).save()
+    (out / "baseline-s0").symlink_to(outside)
+    with pytest.raises(CemtoolError, match="is a symbolic link: cemtool does not follow links"):
+        run_sweep(out, device="cpu")
+    assert list(outside.iterdir()) == []
+    assert manifest(out)["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda m: [m], "not a cemtool-study object"),
+    (lambda m: {k: v for k, v in m.items() if k != "plan"}, "no plan"),
+    (lambda m: {**m, "schema_version": "2"}, "schema_version '2' is not a whole number"),
+    (lambda m: {**m, "schema_version": 99}, "written by a newer cemtool"),
+    (lambda m: {**m, "plan": {}}, "its plan"),
+    (lambda m: {**m, "items": [{k: v for k, v in m["items"][0].items() if k != "status"}]}, "item 0 has no status"),
+    (lambda m: {**m, "items": [{**m["items"][0], "val_loss": "abc"}]}, "val_loss 'abc' is not a number"),
+    (lambda m: {**m, "items": [{**m["items"][0], "run": "../elsewhere"}]}, "is not a folder name inside the study"),
+    (lambda m: {**m, "plan": {**m["plan"], "seeds": ["0"]}}, "have the wrong types"),
+])
+def test_a_corrupt_manifest_is_one_line(edit, message, tmp_path):
+    from cemtool.sweep import open_study
+
+    out = tmp_path / "study"
+    open_study(out, make_plan("baseline", "0", tokens=TOKENS, overrides=TINY)).save()
+    (out / "study.json").write_text(json.dumps(edit(manifest(out))))
+    res = runner.invoke(app(), ["sweep", "--resume", str(out), "-q"])
+    assert res.exit_code == 1 and res.output.startswith("Error:") and message in res.output.splitlines()[0], \
+        res.output
+    assert "Traceback" not in res.output
 
 
 def fake_tuning(out: Path, losses: dict) -> Path:
@@ -311,7 +384,7 @@ def test_extending_a_grid_keeps_every_finished_run(tmp_path):
         with pytest.raises(CemtoolError, match="planned with other settings"):
             open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=grid))
     with pytest.raises(CemtoolError, match="planned with other settings"):  # another change beside the grid
-        open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS + 128, overrides=TUNE,
+        open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, data="grammar-b",
                                   grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
 
 
@@ -342,6 +415,26 @@ def test_tuned_dry_run_plans_each_arch_at_its_choice(tmp_path):
     assert (out / "selection.json").exists() and not (tmp_path / "cmp").exists()
     res = runner.invoke(app(), ["sweep", "--tuned", str(out), "--seeds", "0,10", "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 1 and "seed 10 tuned the values" in res.output
+
+
+def test_the_tuning_study_named_another_way_is_the_same_plan(tmp_path, monkeypatch):
+    """A comparison study stores --tuned as it was typed; the same tuning study named by another path (absolute,
+    or from another folder) continues it, another tuning study does not."""
+    import shutil
+
+    from cemtool.sweep import open_study, plan_from_tuning
+
+    monkeypatch.chdir(tmp_path)
+    fake_tuning(tmp_path / "tune", LOSSES)
+    cmp = tmp_path / "cmp"
+    open_study(cmp, plan_from_tuning("tune", "0,1")[0]).save()
+    assert open_study(cmp, plan_from_tuning(str(tmp_path / "tune"), "0,1")[0]).plan.tuned_from == "tune"
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert open_study(cmp, plan_from_tuning("../tune", "0,1")[0]).plan.tuned_from == "tune"
+    shutil.copytree(tmp_path / "tune", tmp_path / "tune2")
+    with pytest.raises(CemtoolError, match=r"\(tuned_from differ\)"):
+        open_study(cmp, plan_from_tuning(str(tmp_path / "tune2"), "0,1")[0])
 
 
 def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):

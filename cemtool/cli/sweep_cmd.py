@@ -160,7 +160,7 @@ def sweep(
     Tuning: a --grid study on tuning seeds, then --tuned DIR on other seeds trains each architecture at its best
     grid point."""
     from cemtool.config import merge, parse_override
-    from cemtool.sweep import make_plan, new_manifest, plan_from_tuning, run_sweep
+    from cemtool.sweep import check_new_study_dir, make_plan, new_manifest, open_study, plan_from_tuning, run_sweep
 
     if resume is not None:
         if archs or seeds or tokens or set_ or analyses or to or option or out or grid or tuned or dry_run \
@@ -181,7 +181,7 @@ def sweep(
             raise typer.BadParameter("give the study directory, e.g. --out runs/study", param_hint="--out")
         options: dict = {}
         for item in option or []:
-            if "." not in item.split("=", 1)[0]:
+            if "=" not in item or "." not in item.split("=", 1)[0]:
                 raise CemtoolError(f"--analysis-option {item!r} is not of the form analysis.key=value")
             options = merge(options, parse_override(item))
         if tuned is not None:  # tokens, data and --set default to the tuning study's
@@ -196,7 +196,12 @@ def sweep(
             plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data or "grammar",
                              overrides=set_ or [], analyses=analyses, target=to, options=options, grid=grid or [])
         path = out
-        if dry_run:
+        if dry_run:  # what the real run would refuse, refused here too (nothing is written)
+            if (path / "study.json").exists():
+                for note in open_study(path, plan).notes:
+                    console.info(f"Note: {note}")
+            else:
+                check_new_study_dir(path)
             if json_:
                 console.print_json(new_manifest(plan))
             else:
