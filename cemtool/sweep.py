@@ -49,6 +49,7 @@ locked while a sweep runs in it.
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import itertools
 import json
@@ -79,6 +80,7 @@ RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--
             "schema_version": None}  # set by the sweep: refused in --set and --grid
 # a grid over it would train one config (every run trains --tokens tokens); in --set it must agree with --tokens
 STEPS_KEY = "train.max_steps"
+MAX_RUNS = 10_000  # runs in one study (each is a folder; the plan resolves every one before anything starts)
 MAX_RUN_NAME = 150  # characters of a run folder's name (a fine-tune's and the temporary names add to it)
 SELECTION = "selection.json"
 FORGETTING_KEYS = {"steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint", "lr", "beta1", "beta2",
@@ -243,6 +245,10 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
                            f"analyses", hint="add --analyses forgetting, or drop --to")
     arch_overrides = {a: list(v) for a, v in (arch_overrides or {}).items()}
     _check_grid(grid, overrides, arch_overrides, arch_list)
+    size = len(arch_list) * len(seed_list) * math.prod(len(v) for _, v in parse_grid(grid))
+    if size > MAX_RUNS:
+        raise CemtoolError(f"the study would train {size:,} runs (at most {MAX_RUNS:,} in one study)",
+                           hint="split it into several studies, or use fewer grid values")
     draft = Plan(tuple(arch_list), (), 0, data, tuple(overrides), grid=tuple(grid), arch_overrides=arch_overrides)
     points = grid_points(draft)
     for a in arch_list:  # validates every architecture at every grid point; two points may not be one config
@@ -291,8 +297,8 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
         raise CemtoolError(f"the run name {long[0][:60]}... is {len(long[0])} characters long (at most "
                            f"{MAX_RUN_NAME}: a run's folder is named after its grid point)",
                            hint="use shorter grid values")
-    folded = [n.casefold() for n in names]  # run folders: one folder on a case-insensitive file system (macOS)
-    clash = sorted({n for n, f in zip(names, folded, strict=True) if folded.count(f) > 1})
+    folded = collections.Counter(n.casefold() for n in names)  # one folder on a case-insensitive file system
+    clash = sorted({n for n in names if folded[n.casefold()] > 1})
     if clash:
         raise CemtoolError(f"two grid points give the same run name {clash[0]!r} (run folder names are compared "
                            f"ignoring case)", hint="write the values apart")

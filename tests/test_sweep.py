@@ -257,6 +257,9 @@ def test_grid_is_the_product_and_names_carry_the_point():
     (["train.lr=1,1.0"], [], "train.lr=1 and train.lr=1.0 give the same config"),
     (["train.weight_decay=0,0.0"], [], "train.weight_decay=0 and train.weight_decay=0.0 give the same config"),
     ([f"data.tokenizer=/x/{'a' * 200}.json,byte"], [], "characters long"),
+    ([f"train.lr={','.join(f'{k}e-5' for k in range(1, 101))}",
+      f"train.weight_decay={','.join(f'{k}e-4' for k in range(101))}"],
+     [], "the study would train 10,100 runs (at most 10,000 in one study)"),
 ])
 def test_bad_grid_one_line(grid, extra, message, tmp_path):
     args = ["sweep", "--archs", "baseline", *[a for g in grid for a in ("--grid", g)],
