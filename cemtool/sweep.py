@@ -415,11 +415,13 @@ def _check_option_values(name: str, opts: dict) -> None:
 # selection on a tuning study
 
 
-def select(tuning: str | Path, archs: list[str] | tuple | None = None, final_seeds: list[int] | tuple = ()) -> dict:
+def select(tuning: str | Path, archs: list[str] | tuple | None = None, final_seeds: list[int] | tuple = (),
+           write: bool = True) -> dict:
     """Each architecture's best grid point in the finished tuning study ``tuning``: the lowest mean final validation
     loss over the tuning seeds (a point with a failed run, e.g. a diverged learning rate, cannot be chosen; a tie
     goes to the earlier point in grid order). Refuses ``final_seeds`` (the comparison's) that tuned the values.
-    Writes <tuning>/selection.json (the choice and every point's results) and returns it."""
+    Writes <tuning>/selection.json (the choice and every point's results; unless ``write`` is false) and returns
+    it."""
     path = Path(tuning)
     study = open_study(path)
     plan, items = study.plan, study.manifest["items"]
@@ -452,7 +454,8 @@ def select(tuning: str | Path, archs: list[str] | tuple | None = None, final_see
                  "rule": "lowest mean final validation loss over the tuning seeds", "grid": list(plan.grid),
                  "tuning_seeds": list(plan.seeds), "tokens": plan.tokens, "data": plan.data,
                  "overrides": list(plan.overrides), "archs": chosen}
-    atomic_write_json(path / SELECTION, selection)
+    if write:
+        atomic_write_json(path / SELECTION, selection)
     return selection
 
 
@@ -507,7 +510,7 @@ def plan_from_tuning(tuning: str | Path, seeds: str | list, *, archs: str | list
     Returns (plan, selection, notes)."""
     tuned = open_study(tuning).plan
     arch_list = list(tuned.archs) if archs is None else _split_list(archs, "architecture", "architectures")
-    selection = select(tuning, arch_list, parse_seeds(seeds))
+    selection = select(tuning, arch_list, parse_seeds(seeds), write=False)  # written once the plan is valid
     notes = []
     for arch in arch_list:
         for key in selection["archs"][arch]["at_edge"]:
@@ -524,6 +527,7 @@ def plan_from_tuning(tuning: str | Path, seeds: str | list, *, archs: str | list
                      overrides=tuned.overrides if overrides is None else overrides,
                      arch_overrides={a: selection["archs"][a]["overrides"] for a in arch_list},
                      tuned_from=str(tuning), **rest)
+    atomic_write_json(Path(tuning) / SELECTION, selection)
     return plan, selection, notes
 
 

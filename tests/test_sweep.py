@@ -418,6 +418,11 @@ def test_tuned_dry_run_plans_each_arch_at_its_choice(tmp_path):
     assert (out / "selection.json").exists() and not (tmp_path / "cmp").exists()
     res = runner.invoke(app(), ["sweep", "--tuned", str(out), "--seeds", "0,10", "--out", str(tmp_path / "cmp")])
     assert res.exit_code == 1 and "seed 10 tuned the values" in res.output
+    (out / "selection.json").unlink()
+    res = runner.invoke(app(), ["sweep", "--tuned", str(out), "--seeds", "0,1", "--analyses", "nope", "--out",
+                                str(tmp_path / "cmp"), "--dry-run"])
+    assert res.exit_code == 1 and "unknown analysis 'nope'" in res.output
+    assert not (out / "selection.json").exists()  # a refused plan writes nothing
 
 
 def test_the_tuning_study_named_another_way_is_the_same_plan(tmp_path, monkeypatch):
