@@ -78,7 +78,8 @@ COLLAPSE_DEFAULTS = {"checkpoint": "final", "tokens": 16384, "seq_len": None, "b
                      "seed": 0}  # cemtool collapse-report's
 RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data",
             "schema_version": None}  # set by the sweep: refused in --set and --grid
-# a grid over it would train one config (every run trains --tokens tokens); in --set it must agree with --tokens
+# a grid over it would train one config (every run trains --tokens tokens); in --set, a value that does not give
+# --tokens tokens is noted (plan_notes)
 STEPS_KEY = "train.max_steps"
 MAX_RUNS = 10_000  # runs in one study (each is a folder; the plan resolves every one before anything starts)
 MAX_RUN_NAME = 150  # characters of a run folder's name (a fine-tune's and the temporary names add to it)
@@ -264,13 +265,6 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     if tokens is None:
         c = cfgs[0]
         tokens = c.train.max_tokens or total_steps(c) * c.train.batch_size * c.train.grad_accum * c.data.seq_len
-    if STEPS_KEY in {_override_key(o) for o in overrides}:  # ignored by the runs (they train --tokens): must agree
-        for a, c in zip(arch_list, cfgs, strict=True):
-            per_step = c.train.batch_size * c.train.grad_accum * c.data.seq_len
-            if c.train.max_steps * per_step != tokens:
-                raise CemtoolError(f"--set {STEPS_KEY}={c.train.max_steps} ({c.train.max_steps * per_step:,} tokens "
-                                   f"for {a}) disagrees with --tokens {tokens:,}: every run of a sweep trains "
-                                   f"--tokens tokens", hint=f"drop --set {STEPS_KEY}")
     for a in arch_list:  # every item's own config (its seed and tokens), before anything is created
         for seed in seed_list:
             item_config(Plan(tuple(arch_list), (), int(tokens), data, tuple(overrides),
@@ -303,6 +297,21 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
         raise CemtoolError(f"two grid points give the same run name {clash[0]!r} (run folder names are compared "
                            f"ignoring case)", hint="write the values apart")
     return plan
+
+
+def plan_notes(plan: Plan) -> list[str]:
+    """What the plan does other than a --set says, for the command to print: a train.max_steps in --set that does
+    not give --tokens tokens is not what the runs train (every run of a sweep trains --tokens tokens)."""
+    if STEPS_KEY not in {_override_key(o) for o in plan.overrides}:
+        return []
+    notes = []
+    for a in plan.archs:
+        c = resolve(arch=a, overrides=item_overrides(plan, a), data_source=plan.data)
+        per_step = c.train.batch_size * c.train.grad_accum * c.data.seq_len
+        if c.train.max_steps * per_step != plan.tokens:
+            notes.append(f"{a}: --set {STEPS_KEY}={c.train.max_steps} is not used: every run of a sweep trains "
+                         f"--tokens {plan.tokens:,} tokens ({-(-plan.tokens // per_step):,} steps of {per_step:,})")
+    return notes
 
 
 def _point_str(point: dict) -> str:

@@ -178,7 +178,6 @@ def test_rerunning_a_finished_study_changes_nothing(interrupted, tmp_path):
     (["--archs", "baseline", "--set", "seed=7"], "--set seed is not for a sweep: the sweep sets it; use --seeds"),
     (["--archs", "baseline", "--set", "data.source=pydoc"], "use --data"),
     (["--archs", "baseline", "--set", "schema_version=0"], "--set schema_version is not for a sweep"),
-    (["--archs", "baseline", "--tokens", "5000", "--set", "train.max_steps=10"], "disagrees with --tokens 5,000"),
     # every item's values, the data and the analyses' options are checked before the study exists
     (["--archs", "baseline", "--seeds", "0,-1"], "seed=-1 is not allowed"),
     (["--archs", "baseline", "--tokens", "99999999999999999999"], "train.max_tokens=99999999999999999999"),
@@ -197,6 +196,17 @@ def test_bad_plan_one_line(args, message, tmp_path):
     assert res.exit_code == 1, res.output
     assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
     assert not (tmp_path / "s").exists()
+
+
+def test_max_steps_that_do_not_give_the_tokens_are_noted(tmp_path):
+    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--tokens", "5000", "--set", "train.max_steps=10",
+                                "--out", str(tmp_path / "s"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert ("Note: baseline: --set train.max_steps=10 is not used: every run of a sweep trains --tokens 5,000 "
+            "tokens (3 steps of 2,048)") in " ".join(res.output.split())
+    res = runner.invoke(app(), ["sweep", "--archs", "baseline", "--tokens", str(TOKENS), *sets(), "--out",
+                                str(tmp_path / "s"), "--dry-run"])
+    assert res.exit_code == 0 and "Note:" not in res.output  # TINY's 30 steps are its tokens
 
 
 def test_other_plan_in_existing_study_is_refused(interrupted, tmp_path):

@@ -160,7 +160,15 @@ def sweep(
     Tuning: a --grid study on tuning seeds, then --tuned DIR on other seeds trains each architecture at its best
     grid point."""
     from cemtool.config import merge, parse_override
-    from cemtool.sweep import check_new_study_dir, make_plan, new_manifest, open_study, plan_from_tuning, run_sweep
+    from cemtool.sweep import (
+        check_new_study_dir,
+        make_plan,
+        new_manifest,
+        open_study,
+        plan_from_tuning,
+        plan_notes,
+        run_sweep,
+    )
 
     if resume is not None:
         if archs or seeds or tokens or set_ or analyses or to or option or out or grid or tuned or dry_run \
@@ -195,6 +203,8 @@ def sweep(
         else:
             plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data or "grammar",
                              overrides=set_ or [], analyses=analyses, target=to, options=options, grid=grid or [])
+        for note in plan_notes(plan):
+            console.info(f"Note: {note}")
         path = out
         if dry_run:  # what the real run would refuse, refused here too (nothing is written)
             if (path / "study.json").exists():
