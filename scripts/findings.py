@@ -56,8 +56,20 @@ class Values(list):
         return dict(zip(self.seeds, self, strict=True))
 
 
+def finished_study(path: Path) -> bool:
+    """Whether every item of the study at ``path`` has ended (completed or failed, its analyses too): a study with
+    an item still pending, running or interrupted gives no verdict yet (a few early runs are not the group)."""
+    try:
+        items = json.loads((path / "study.json").read_text())["items"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    ended = ("completed", "failed")
+    return all(it.get("status") in ended and all(a.get("status") in ended for a in it.get("analyses", {}).values())
+               for it in items)
+
+
 class Part:
-    """The finished runs of one part of the study, by study directory and architecture."""
+    """The runs of one part of the study, by study directory and architecture, from its finished studies."""
 
     def __init__(self, root: Path, name: str):
         self.root, self.name = root / name, name
@@ -66,6 +78,8 @@ class Part:
             return
         for sj in sorted(self.root.glob("*/study.json")):
             study = sj.parent
+            if not finished_study(study):
+                continue
             try:
                 records, _ = collect([study])
             except CemtoolError:  # nothing finished yet
@@ -596,9 +610,12 @@ def _data_name(opts: dict) -> str:
 
 
 def tuning_rows(part_dir: Path) -> list[dict]:
-    """Each tuned architecture's choice (tune/*/selection.json, written when its comparison was planned)."""
+    """Each tuned architecture's choice (tune/*/selection.json, written when its comparison was planned), from
+    finished tuning studies only (a grid being extended has a selection from before the extension)."""
     rows = []
     for sel_path in sorted(part_dir.glob("tune/*/selection.json")):
+        if not finished_study(sel_path.parent):
+            continue
         sel = json.loads(sel_path.read_text())
         for arch, a in sel["archs"].items():
             means = {" ".join(f"{v}" for v in p["point"].values()): p["mean_val_loss"] for p in a["points"]}

@@ -148,6 +148,28 @@ def test_training_spans_are_the_sessions_not_the_gap_between_them():
     assert F.training_spans({"started": at(0), "ended": None}) == []
 
 
+def test_a_study_still_running_gives_no_verdict(tmp_path):
+    """Two finished runs of a group still training are not the group: a study with an item pending, running or
+    interrupted (or an analysis not ended) is left out of the verdicts and of the tuning table; failed items end
+    a study as completed ones do."""
+    part = tmp_path / "pydoc"
+    shutil.copytree(SAMPLE / "pydoc" / "core", part / "core")
+    assert F.finished_study(part / "core") and F.Part(tmp_path, "pydoc").values("val_loss", "baseline")
+    manifest = json.loads((part / "core" / "study.json").read_text())
+    for status in ("pending", "running", "interrupted"):
+        manifest["items"][-1]["status"] = status
+        (part / "core" / "study.json").write_text(json.dumps(manifest))
+        assert not F.finished_study(part / "core") and not F.Part(tmp_path, "pydoc").groups
+    manifest["items"][-1]["status"] = "failed"
+    manifest["items"][0]["analyses"]["sharpness"]["status"] = "running"
+    (part / "core" / "study.json").write_text(json.dumps(manifest))
+    assert not F.finished_study(part / "core")
+    manifest["items"][0]["analyses"]["sharpness"]["status"] = "failed"
+    (part / "core" / "study.json").write_text(json.dumps(manifest))
+    assert F.finished_study(part / "core")
+    assert not F.finished_study(tmp_path / "nowhere")
+
+
 def test_wall_time_is_bounded_by_the_compute_it_spans(table):
     """The wall time of a part is at most the sum of its processes' times (they overlap in lanes) and at least
     that sum over the most processes that ever ran at once here (2 lanes x 2 sweep workers, plus the device's 12)."""
