@@ -16,6 +16,7 @@ the field, the value and what is allowed. The resolved config (``to_dict``) is w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import typing
@@ -223,8 +224,9 @@ def is_section(key: str, cls: type | None = None) -> bool:
     return _is_section(tp)
 
 
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls)  # cached: the config classes do not change, and every override walks them
 
 
 def to_dict(cfg: Any) -> dict:

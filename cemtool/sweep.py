@@ -265,10 +265,10 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     if tokens is None:
         c = cfgs[0]
         tokens = c.train.max_tokens or total_steps(c) * c.train.batch_size * c.train.grad_accum * c.data.seq_len
+    sized = replace(draft, tokens=int(tokens))
     for a in arch_list:  # every item's own config (its seed and tokens), before anything is created
         for seed in seed_list:
-            item_config(Plan(tuple(arch_list), (), int(tokens), data, tuple(overrides),
-                             arch_overrides=arch_overrides), a, seed, points[0])
+            item_config(sized, a, seed, points[0])
     check_data_source(data)
     if "forgetting" in chosen and target is None:
         target = {"grammar": "grammar-b", "grammar-b": "grammar"}.get(data)
@@ -387,7 +387,7 @@ def _check_option_values(name: str, opts: dict) -> None:
         if tp is float:
             ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
         elif tp is int:
-            ok = isinstance(v, int) and not isinstance(v, bool)
+            ok = _whole(v)
         else:
             ok = isinstance(v, tp)
         if not ok or (low is not None and v < low):
@@ -690,14 +690,17 @@ def _same_study(given: str | None, stored: str | None, out: Path) -> bool:
     if given is None or stored is None:
         return False
     here = Path(given).expanduser()
-    bases = [Path.cwd(), *Path(out).resolve().parents] if not Path(stored).is_absolute() else [Path("/")]
-    for base in bases:
+    for base in [Path.cwd(), *Path(out).resolve().parents]:  # an absolute ``stored`` is itself from any base
         try:
             if os.path.samefile(here, base / stored):
                 return True
         except OSError:
             continue
     return False
+
+
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _check_manifest(manifest, path: Path) -> None:
@@ -709,7 +712,7 @@ def _check_manifest(manifest, path: Path) -> None:
     if not isinstance(manifest, dict) or manifest.get("kind") != "cemtool-study":
         raise bad("not a cemtool-study object")
     version = manifest.get("schema_version", 0)
-    if not isinstance(version, int) or isinstance(version, bool):
+    if not _whole(version):
         raise bad(f"schema_version {version!r} is not a whole number")
     if version > SCHEMA_VERSION:
         raise CemtoolError(f"{path} was written by a newer cemtool (study schema {version}, this one reads "
@@ -721,8 +724,7 @@ def _check_manifest(manifest, path: Path) -> None:
         p = Plan.from_dict(plan)
     except TypeError as e:
         raise bad(f"its plan: {e}") from None
-    if not (all(isinstance(a, str) for a in p.archs) and all(isinstance(x, int) and not isinstance(x, bool)
-                                                           for x in p.seeds) and isinstance(p.tokens, int)):
+    if not (all(isinstance(a, str) for a in p.archs) and all(map(_whole, p.seeds)) and _whole(p.tokens)):
         raise bad("its plan's archs, seeds or tokens have the wrong types")
     items = manifest.get("items")
     if not isinstance(items, list):
@@ -735,7 +737,7 @@ def _check_manifest(manifest, path: Path) -> None:
                 raise bad(f"item {k} has no {key}")
         if it["run"] in ("", ".", "..") or "/" in it["run"] or "\\" in it["run"] or it["run"].startswith("."):
             raise bad(f"item {it['name']}: run {it['run']!r} is not a folder name inside the study")
-        if not isinstance(it.get("seed"), int) or isinstance(it.get("seed"), bool):
+        if not _whole(it.get("seed")):
             raise bad(f"item {it['name']}: seed {it.get('seed')!r} is not a whole number")
         v = it.get("val_loss")
         if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
@@ -794,8 +796,7 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
         dirs += [item["run"], *(a["run"] for a in item.get("analyses", {}).values() if a.get("run"))]
     for name in dirs:  # every check before anything moves
         src = study.path / name
-        if src.is_symlink():
-            raise CemtoolError(f"{src} is a symbolic link: cemtool does not follow links it did not make")
+        _not_a_link(src)
         if src.exists() and Run(src).lock_held() is not False:
             raise CemtoolError(f"run {src} is in use by another process (or its lock cannot be read)",
                                hint="wait for it to finish")
@@ -910,8 +911,8 @@ def _stopped_by(study: Study, error: BaseException) -> None:
 
 
 def _not_a_link(path: Path) -> None:
-    """A study's run folders are its own: one that is a symbolic link (made by someone else) is refused, not
-    followed to wherever it points."""
+    """A study's folders are its own: one that is a symbolic link (made by someone else) is refused, not followed
+    to wherever it points."""
     if path.is_symlink():
         raise CemtoolError(f"{path} is a symbolic link: cemtool does not follow links it did not make",
                            hint="remove the link; the study makes the folder itself")
@@ -973,9 +974,7 @@ def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.devi
     todo = [it["name"] for it in study.manifest["items"] if not _finished(it)]
     n = min(jobs, len(todo))
     claims = study.path / ".claims"
-    if claims.is_symlink():
-        raise CemtoolError(f"{claims} is a symbolic link: cemtool does not follow links it did not make",
-                           hint="remove the link")
+    _not_a_link(claims)
     claims.mkdir(exist_ok=True)
     devices = [dev] * n
     if dev.type == "cuda" and (asked is None or str(asked) in ("auto", "cuda")) and torch.cuda.device_count() > 1:
