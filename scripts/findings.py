@@ -368,10 +368,18 @@ def claim8(p: Part) -> dict:
         ("not reproduced (no positive correlation resolved)" if rho is not None else "not run yet")
     if verdict == "reproduced" and rho < 0.7:
         verdict = f"reproduced in direction (ρ = {rho:.2f}, weaker than 0.93)"
+    detail = f"every run of the part with both a sharpness and a forgetting report: {groups}"
+    negative = sorted(f"{s}/{Path(r['run']).name}" for (s, _), rs in both.items() for r in rs
+                      if r["trace_per_param"] < 0)
+    if negative:  # a negative trace proves an indefinite Hessian: there tr(H)/n does not measure flatness
+        kept = [(a, b) for a, b in pairs if a >= 0]
+        s2 = spearman([a for a, _ in kept], [b for _, b in kept]) if len(kept) >= 3 else {"rho": None, "p": None}
+        without = f"{s2['rho']:.2f} (p = {s2['p']:.1e}, {len(kept)} runs)" if s2["rho"] is not None else "–"
+        detail += (f"; runs with a negative tr(H)/n (an indefinite Hessian, where the trace does not measure "
+                   f"flatness): {', '.join(negative)}; ρ without them = {without}")
     return {"claim": CLAIM8, "paper": "Spearman 0.93",
             "ours": f"Spearman ρ(tr(H)/n, forgetting) = {rho:.2f} (p = {pv:.1e}, {len(pairs)} runs)",
-            "verdict": verdict, "detail": f"every run of the part with both a sharpness and a forgetting report: "
-                                          f"{groups}",
+            "verdict": verdict, "detail": detail,
             "dirs": sorted({os.path.relpath(Path(r["run"]).parent) for rs in both.values() for r in rs})}
 
 

@@ -262,3 +262,33 @@ def test_claim8_waits_for_the_momentum_models():
     assert F.claim8(P())["verdict"] == "not run yet"
     P.groups[("momentum", "tmm")] = [run("tmm", s, 5e-4 + s * 1e-4, 0.1 + s * 0.01) for s in range(3)]
     assert F.claim8(P())["verdict"] != "not run yet" and "9 runs" in F.claim8(P())["ours"]
+    assert "negative" not in F.claim8(P())["detail"]
+    # a negative trace (an indefinite Hessian) is counted, and named with the correlation without it
+    P.groups[("momentum", "shampoo")] = [run("shampoo", 0, -2e-3, 0.05)]
+    out = F.claim8(P())
+    assert "10 runs" in out["ours"] and "momentum/shampoo-s0" in out["detail"]
+    tr = [r["trace_per_param"] for rs in P.groups.values() for r in rs if r["trace_per_param"] >= 0]
+    fg = [r["forgetting"] for rs in P.groups.values() for r in rs if r["trace_per_param"] >= 0]
+    assert f"ρ without them = {stats.spearmanr(tr, fg).statistic:.2f}" in out["detail"] and "9 runs)" in out["detail"]
+
+
+def test_ngram_reference_against_closed_forms():
+    """scripts/ngram_reference.py: on a text that cycles through 10 tokens, the unigram's loss is log 10 and the
+    bigram's (which knows the next token from the previous) is near 0; on i.i.d. tokens the bigram's add-k choice
+    falls back to the unigram's loss. k is chosen on the training split only."""
+    spec = importlib.util.spec_from_file_location("ngram_reference", ROOT / "scripts" / "ngram_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cycle = np.tile(np.arange(10), 500)
+    ref = mod.reference(cycle, cycle[:300], vocab=16)
+    assert ref["unigram"]["val_nll"] == pytest.approx(np.log(10), abs=1e-3)
+    assert ref["bigram"]["val_nll"] < 1e-3
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.25, 0.125, 0.125])
+    iid = rng.choice(4, size=200_000, p=p)
+    ref = mod.reference(iid[:180_000], iid[180_000:], vocab=4)
+    entropy = float(-(p * np.log(p)).sum())
+    assert ref["unigram"]["val_nll"] == pytest.approx(entropy, abs=0.01)
+    assert ref["bigram"]["val_nll"] == pytest.approx(entropy, abs=0.01)
+    # the held-out choice of k never reads the validation split: a different val leaves k unchanged
+    assert mod.reference(iid[:180_000], iid[:100], vocab=4)["bigram"]["k"] == ref["bigram"]["k"]
