@@ -20,22 +20,19 @@ K_GRID = (1e-3, 1e-2, 1e-1, 0.5, 1.0)
 HOLDOUT = 0.1
 
 
-def _probs(counts: np.ndarray, k: float) -> np.ndarray:
-    """Add-k estimate along the last axis."""
-    c = counts + k
-    return c / c.sum(axis=-1, keepdims=True)
-
-
 def unigram_nll(train: np.ndarray, val: np.ndarray, vocab: int, k: float) -> float:
-    p = _probs(np.bincount(train, minlength=vocab).astype(np.float64), k)  # (V,)
-    return float(-np.mean(np.log(p[val])))
+    counts = np.bincount(train, minlength=vocab)  # (V,)
+    return float(-np.mean(np.log((counts[val] + k) / (len(train) + k * vocab))))
 
 
 def bigram_nll(train: np.ndarray, val: np.ndarray, vocab: int, k: float) -> float:
-    counts = np.zeros((vocab, vocab))  # (V, V): previous token x next token
-    np.add.at(counts, (train[:-1], train[1:]), 1.0)
-    p = _probs(counts, k)
-    return float(-np.mean(np.log(p[val[:-1], val[1:]])))
+    """Only the pairs that occur are counted (no V x V table: a 50k vocabulary would need 20 GB)."""
+    pairs, counts = np.unique(train[:-1] * vocab + train[1:], return_counts=True)  # sorted pair codes
+    prev = np.bincount(train[:-1], minlength=vocab)  # (V,) times each token is followed by another
+    q = val[:-1] * vocab + val[1:]
+    at = np.minimum(np.searchsorted(pairs, q), len(pairs) - 1)
+    c = np.where(pairs[at] == q, counts[at], 0)  # count of each validation pair in training
+    return float(-np.mean(np.log((c + k) / (prev[val[:-1]] + k * vocab))))
 
 
 def reference(train: np.ndarray, val: np.ndarray, vocab: int) -> dict:

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "sample_runs" / "findings"
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("findings", ROOT / "scripts" / "findings.py")
+def load(name: str = "findings"):
+    """A script of scripts/ as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -276,9 +277,7 @@ def test_ngram_reference_against_closed_forms():
     """scripts/ngram_reference.py: on a text that cycles through 10 tokens, the unigram's loss is log 10 and the
     bigram's (which knows the next token from the previous) is near 0; on i.i.d. tokens the bigram's add-k choice
     falls back to the unigram's loss. k is chosen on the training split only."""
-    spec = importlib.util.spec_from_file_location("ngram_reference", ROOT / "scripts" / "ngram_reference.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("ngram_reference")
     cycle = np.tile(np.arange(10), 500)
     ref = mod.reference(cycle, cycle[:300], vocab=16)
     assert ref["unigram"]["val_nll"] == pytest.approx(np.log(10), abs=1e-3)
