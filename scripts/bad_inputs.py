@@ -178,6 +178,51 @@ def _bad_utf8_metrics(ws: Path) -> list[str]:
     return ["runs", str(ws / "run")]
 
 
+def cases_hf() -> list[Case]:
+    """Cases of issue 20 items 1-5, 13-16: Hugging Face directories, safetensors, exports."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cases_files() -> list[Case]:
+    """Cases of issue 20 items 6-8, 12: token files, special files, deep JSON, hand-edited studies."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cases_state() -> list[Case]:
+    """Cases of issue 20 items 9-11, 18: locks, torchrun, forged checkpoints, interrupts."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cases_user() -> list[Case]:
+    """Cases of issue 20 items 17, 19, 20, 22, 24: a new user's inputs."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def cases_docs() -> list[Case]:
+    """Cases of issue 20 items 21, 23: doc snippets and figures."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
 def cases() -> list[Case]:
     import torch
 
@@ -312,6 +357,8 @@ def cases() -> list[Case]:
                         words=("No space left on device",), patch=fail_fsync(".safetensors"),
                         check=lambda ws: None if json.loads((ws / "out" / "meta.json").read_text())["status"]
                         == "failed" and not list(ws.rglob("*.tmp")) else "status not failed, or a temp file left"))
+    for more in (cases_hf, cases_files, cases_state, cases_user, cases_docs):
+        out += more()
     return out
 
 
