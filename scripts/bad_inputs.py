@@ -223,6 +223,15 @@ def cases_docs() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def cases_new() -> list[Case]:
+    """Cases of issue 20 item 24: sample, TensorBoard logging, the per-layer sharpness table."""
+    out: list[Case] = []
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
 def cases() -> list[Case]:
     import torch
 
@@ -357,7 +366,7 @@ def cases() -> list[Case]:
                         words=("No space left on device",), patch=fail_fsync(".safetensors"),
                         check=lambda ws: None if json.loads((ws / "out" / "meta.json").read_text())["status"]
                         == "failed" and not list(ws.rglob("*.tmp")) else "status not failed, or a temp file left"))
-    for more in (cases_hf, cases_files, cases_state, cases_user, cases_docs):
+    for more in (cases_hf, cases_files, cases_state, cases_user, cases_docs, cases_new):
         out += more()
     return out
 
