@@ -129,3 +129,14 @@ def test_next_token_temperature_and_top_k():
     assert draws == {1, 3}  # both of the top 2, never the others
     cold = [next_token(logits, 0.01, None, gen) for _ in range(50)]
     assert set(cold) == {1}  # a low temperature concentrates on the argmax (3.0 vs 2.9: e^-10 apart)
+
+
+def test_hugging_face_directory_samples_like_its_run(tiny_run, tmp_path):
+    pytest.importorskip("transformers")
+    hf = tmp_path / "hf"
+    res = runner.invoke(app, ["export", tiny_run, "--to", "hf", str(hf)])
+    assert res.exit_code == 0, res.output
+    args = ["--prompt", "The quick", "--tokens", "10", "--temperature", "0"]
+    ours, theirs = sample_json(tiny_run, *args), sample_json(str(hf), *args)
+    assert theirs["samples"][0]["ids"] == ours["samples"][0]["ids"]
+    assert theirs["context"] == ours["context"]
