@@ -106,6 +106,9 @@ def test_bad_inputs_are_one_line(tiny_run, args, words):
 
 def test_bad_out_and_run(tiny_run, tmp_path):
     one_line_error(runner.invoke(app, ["sample", tiny_run, "--out", str(tmp_path)]), "is a folder")
+    one_line_error(runner.invoke(app, ["sample", tiny_run, "--out", str(tmp_path / "no" / "s.json")]),
+                   "does not exist")
+    assert not (tmp_path / "no").exists()
     one_line_error(runner.invoke(app, ["sample", str(tmp_path / "nope")]))
 
 
@@ -140,3 +143,19 @@ def test_hugging_face_directory_samples_like_its_run(tiny_run, tmp_path):
     ours, theirs = sample_json(tiny_run, *args), sample_json(str(hf), *args)
     assert theirs["samples"][0]["ids"] == ours["samples"][0]["ids"]
     assert theirs["context"] == ours["context"]
+
+
+def test_item_24_bad_inputs_are_clean(tmp_path, tiny_run):
+    """The fast cases of scripts/bad_inputs.py's cases_new (sample, TensorBoard, --per-layer)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        import bad_inputs
+    finally:
+        sys.path.pop(0)
+    results = bad_inputs.run_cases(tmp_path, Path(tiny_run), fast_only=True, items=("24",))
+    assert len(results) >= 25
+    unclean = [(r["case"], r["why"]) for r in results if not r["clean"]]
+    assert not unclean, unclean

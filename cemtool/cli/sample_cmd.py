@@ -47,6 +47,8 @@ def sample(
         raise CemtoolError(f"{run} is a file, not a run directory", hint="pass the directory `cemtool train` made")
     if out is not None and out.is_dir():
         raise CemtoolError(f"--out {out} is a folder", hint="give the path of a JSON file to write")
+    if out is not None and not out.parent.is_dir():
+        raise CemtoolError(f"--out {out}: the folder {out.parent} does not exist", hint="create it first")
     loaded = load_run(run, checkpoint, device=pick_device(device))
     res = generate_samples(loaded, prompt, opts)
     payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=loaded.checkpoint.name,
