@@ -192,6 +192,8 @@ class TrainConfig:
     curvature_trace: int = opt(0, "HVPs of an XTrace estimate of tr(H) per measurement (0 = off, else >= 4)", min=0,
                                max=100_000)
     curvature_precond: bool = opt(False, "also λ_max of P^-1 H, Adam's preconditioned Hessian (train.optimizer=adamw)")
+    log_to: str = opt("none", "also write the metrics.jsonl rows as TensorBoard scalars to RUN/tensorboard/ (needs "
+                              "the extra cemtool[tensorboard])", choices=("none", "tensorboard"))
 
 
 @dataclass(frozen=True)

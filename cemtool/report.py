@@ -40,8 +40,8 @@ def provenance(run_path: str | Path | None = None, *, seed: int | None = None, c
 
 
 KIND_OF = {"collapse-report": "collapse", "saturation sweep": "saturation_sweep"}  # provenance command -> kind
-KINDS = ("sharpness", "collapse_compare", "collapse", "saturation_sweep", "saturation", "forgetting", "compare",
-         "demo")  # longest first where one starts another
+KINDS = ("sharpness_per_layer", "sharpness", "collapse_compare", "collapse", "saturation_sweep", "saturation",
+         "forgetting", "compare", "demo")  # longest first where one starts another
 NOT_SETTINGS = ("device", "batch_size")  # options that do not change what a report measures
 
 

@@ -268,7 +268,7 @@ def is_run(path: str | Path) -> bool:
     return (p / "meta.json").is_file() or ((p / "config.json").is_file() and not is_hf_dir(p))
 
 
-RUN_SUBDIRS = ("checkpoints", "reports", "plots")
+RUN_SUBDIRS = ("checkpoints", "reports", "plots", "tensorboard")
 RUN_FILES = ("config.json", "meta.json", "metrics.jsonl", "tokenizer.json", "report.md")
 
 

@@ -29,6 +29,7 @@ from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
 from cemtool.runs import Run, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
+from cemtool.tblog import check_log_to, metrics_writer
 
 Callback = Callable[[dict], None]
 
@@ -156,6 +157,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     are finite and give a finite loss on the next batch, so that a resume never starts from broken weights.
     """
     tc, T = cfg.train, cfg.data.seq_len
+    check_log_to(tc.log_to)  # train.log_to=tensorboard without its package: refused before anything starts
     dev = device if isinstance(device, torch.device) else pick_device(device)
     dd = init_distributed(dev)
     if tc.threads:
@@ -179,6 +181,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
         if writer is not None:
             writer.truncate_metrics(step)
             writer.mark_resumed(str(dev))  # only now: a resume that fails leaves meta.json as it was
+    log_row = metrics_writer(writer, tc.log_to)  # metrics.jsonl (and TensorBoard, rewritten from it)
     fwd = model
     if tc.compile:
         fwd = torch.compile(model)
@@ -208,7 +211,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                "val_bpb": bits_per_byte(val, bytes_per_token), "val_ppl": perplexity(val), "val_floor": floor,
                "val_gap": None if floor is None else val - floor, "elapsed_s": time.perf_counter() - t0}
         if writer is not None:
-            writer.append_metrics(row)
+            log_row(row)
         _emit(callback, kind="eval", **row)
         return val
 
@@ -270,7 +273,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                        "elapsed_s": now - t0}
                 t_log, tok_log = now, 0
                 if writer is not None:
-                    writer.append_metrics(row)
+                    log_row(row)
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
                   tokens=tokens_seen)
             if tracker is not None and step % tc.curvature_every == 0:  # every rank (data-parallel HVPs)
@@ -278,7 +281,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                                          optimizer_name=tc.optimizer),
                        "tokens": tokens_seen}
                 if writer is not None:
-                    writer.append_metrics(row)
+                    log_row(row)
                 _emit(callback, **row)
             if step % tc.eval_every == 0 or step == steps_total:
                 val_loss = eval_row(step, tokens_seen)

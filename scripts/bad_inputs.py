@@ -223,9 +223,98 @@ def cases_docs() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _sample(ws: Path, *args: str, run: str = "run") -> list[str]:
+    return ["sample", str(ws / run), "--device", "cpu", "--tokens", "4", *args]
+
+
+def _word_level_run(ws: Path) -> list[str]:
+    """The run's tokenizer replaced by a word-level one of as many ids (256 words w0..w255)."""
+    from cemtool.data.tokenizer import word_tokenizer
+
+    word_tokenizer([f"w{i}" for i in range(256)]).save(ws / "run" / "tokenizer.json")
+    return _sample(ws, "--prompt", "w1 w2 zebra")
+
+
+def no_tensorboard() -> Callable[[], None]:
+    """The tensorboard package made unimportable (as where the extra is not installed)."""
+    saved = {k: v for k, v in sys.modules.items() if k == "tensorboard" or k.startswith("tensorboard.")}
+    for k in saved:
+        del sys.modules[k]
+    sys.modules["tensorboard"] = None  # import tensorboard -> ImportError
+
+    def undo() -> None:
+        del sys.modules["tensorboard"]
+        sys.modules.update(saved)
+    return undo
+
+
+def no_out(ws: Path) -> str | None:
+    return None if not (ws / "out").exists() else "a run was created although training was refused"
+
+
+def _per_layer(ws: Path, *args: str) -> list[str]:
+    return _sharp(ws, "--per-layer", "--tokens", "32", *args)
+
+
 def cases_new() -> list[Case]:
     """Cases of issue 20 item 24: sample, TensorBoard logging, the per-layer sharpness table."""
-    out: list[Case] = []
+    out: list[Case] = [
+        Case("sample: --temperature nan", "24", lambda ws: _sample(ws, "--temperature", "nan"),
+             words=("--temperature",)),
+        Case("sample: --temperature inf", "24", lambda ws: _sample(ws, "--temperature", "inf"),
+             words=("--temperature",)),
+        Case("sample: --temperature -0.5", "24", lambda ws: _sample(ws, "--temperature", "-0.5"),
+             words=("--temperature",)),
+        Case("sample: --temperature abc (usage)", "24", lambda ws: _sample(ws, "--temperature", "abc")),
+        Case("sample: --top-k 0", "24", lambda ws: _sample(ws, "--top-k", "0"), words=("--top-k",)),
+        Case("sample: --top-k above the vocabulary", "24", lambda ws: _sample(ws, "--top-k", "100000"),
+             words=("--top-k", "256")),
+        Case("sample: --top-k abc (usage)", "24", lambda ws: _sample(ws, "--top-k", "abc")),
+        Case("sample: --tokens 0", "24", lambda ws: _sample(ws, "--tokens", "0"), words=("--tokens",)),
+        Case("sample: --tokens 10**6", "24", lambda ws: _sample(ws, "--tokens", "1000000"), words=("4096",)),
+        Case("sample: --num-samples 0", "24", lambda ws: _sample(ws, "--num-samples", "0"),
+             words=("--num-samples",)),
+        Case("sample: --num-samples 10**4", "24", lambda ws: _sample(ws, "--num-samples", "10000"),
+             words=("--num-samples",)),
+        Case("sample: --seed -1", "24", lambda ws: _sample(ws, "--seed", "-1"), words=("--seed",)),
+        Case("sample: --seed 2**64", "24", lambda ws: _sample(ws, "--seed", str(2**64)), words=("--seed",)),
+        Case("sample: empty --prompt", "24", lambda ws: _sample(ws, "--prompt", ""), words=("no tokens",)),
+        Case("sample: prompt outside a word-level vocabulary", "24", _word_level_run, words=("zebra",)),
+        Case("sample: --out is a folder", "24", lambda ws: _sample(ws, "--out", str(ws / "outside")),
+             words=("is a folder",)),
+        Case("sample: --out in a missing folder", "24",
+             lambda ws: _sample(ws, "--out", str(ws / "nofolder" / "s.json")), words=("nofolder",)),
+        Case("sample: run does not exist", "24", lambda ws: _sample(ws, run="nope"), words=("does not exist",)),
+        Case("sample: run is a file", "24", lambda ws: ["sample", write(ws / "f.txt", "x")],
+             words=("is a file",)),
+        Case("sample: --checkpoint 999", "24", lambda ws: _sample(ws, "--checkpoint", "999"),
+             words=("does not exist",)),
+        Case("sample: final checkpoint is a pickle", "24",
+             lambda ws: (write(ws / "run" / "checkpoints" / "final.safetensors", pickle.dumps({"x": 1})),
+                         _sample(ws))[-1], words=("never unpickles",)),
+        Case("train: train.log_to=tensorboard without the package", "24",
+             lambda ws: _train(ws, "--data", write(ws / "t.txt", TEXT), *SMALL, "--set", "train.log_to=tensorboard"),
+             words=("cemtool[tensorboard]",), patch=no_tensorboard, check=no_out),
+        Case("train: train.log_to=wandb", "24", lambda ws: _train(ws, "--set", "train.log_to=wandb"),
+             words=("train.log_to",)),
+        Case("resume: tensorboard/ is a symlink", "24",
+             lambda ws: (set_status(ws / "run", "interrupted"), relink(ws / "run" / "tensorboard", ws / "outside"),
+                         ["train", "--resume", str(ws / "run"), "--quiet"])[-1],
+             words=("symbolic link",), check=victim_intact),
+        Case("sharpness --per-layer --params layer:0 (usage)", "24", lambda ws: _per_layer(ws, "--params", "layer:0")),
+        Case("sharpness --per-layer --backend pyhessian (usage)", "24",
+             lambda ws: _per_layer(ws, "--backend", "pyhessian")),
+        Case("sharpness --per-layer with two trace methods", "24",
+             lambda ws: _per_layer(ws, "--trace-method", "xtrace,hutchinson"), words=("one --trace-method",)),
+        Case("sharpness --per-layer with nothing to measure", "24",
+             lambda ws: _per_layer(ws, "--lanczos-steps", "0", "--trace-hvps", "0", "--top-k", "0", "--bottom-k",
+                                   "0"), words=("nothing to measure",)),
+        Case("sharpness --per-layer --name ../../escape", "24", lambda ws: _per_layer(ws, "--name", "../../escape"),
+             words=("not a plain name",)),
+        Case("sharpness --per-layer: reports/ is a symlink", "24",
+             lambda ws: (relink(ws / "run" / "reports", ws / "outside"), _per_layer(ws))[-1], fast=False,
+             words=("symbolic link",)),
+    ]
     return out
 
 

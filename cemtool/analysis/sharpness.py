@@ -22,6 +22,7 @@ Notation: L(w) the loss, g = grad L(w), rho the radius, T_w the adaptive scaling
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
@@ -487,9 +488,115 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return rep
 
 
-__all__ = ["Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D", "asam_sharpness",
-           "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d", "measure_sharpness",
-           "sam_sharpness", "worst_case_sharpness"]
+# --------------------------------------------------------------------------------------------------------------
+# per layer: `cemtool sharpness --per-layer`
+
+
+@dataclass
+class LayerCurvature:
+    """λ_max and tr(H) of one layer's block H_SS of the Hessian (S = the parameters ``blocks.<layer>.*``)."""
+
+    layer: int
+    params: str  # the selection, layer:N
+    n_params: int
+    lambda_max: float | None
+    lambda_max_error: float | None  # Kato-Temple error estimate (hessian.Eigenvalues)
+    lambda_max_converged: bool | None
+    lanczos_hvps: int
+    trace: float | None
+    trace_se: float | None  # standard error
+    trace_per_param: float | None
+    trace_per_param_se: float | None
+    trace_method: str | None
+    trace_hvps: int
+    seconds: float
+
+
+def model_layers(model: torch.nn.Module) -> list[int]:
+    """The block indices N of the model's parameters ``blocks.N.*`` (what ``layer:N`` selects), ascending."""
+    found = {int(m.group(1)) for n, _ in model.named_parameters() if (m := re.match(r"blocks\.(\d+)\.", n))}
+    if not found:
+        raise CemtoolError("the model has no layers (no parameters named blocks.N.*)")
+    return sorted(found)
+
+
+def check_per_layer(o: SharpnessOptions) -> None:
+    """What --per-layer measures: λ_max (lanczos_steps HVPs) and one trace method (trace_hvps), one layer at a
+    time; the other measurements of the options are not made."""
+    if len(o.trace_methods) > 1:
+        raise CemtoolError("--per-layer takes one --trace-method", hint="e.g. --trace-method xtrace")
+    if o.lanczos_steps == 0 and (o.trace_hvps == 0 or not o.trace_methods):
+        raise CemtoolError("--per-layer with --lanczos-steps 0 and --trace-hvps 0 has nothing to measure")
+
+
+def measure_per_layer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, options: SharpnessOptions,
+                      progress: Progress | None = None) -> list[LayerCurvature]:
+    """For each layer N, λ_max (Lanczos, top 1) and tr(H) (``options.trace_methods[0]``, with its standard error)
+    of the Hessian restricted to ``layer:N`` (the block H_SS, see Objective), on the evaluation set (x, y). The same
+    seeds for every layer; budgets ``lanczos_steps`` and ``trace_hvps`` per layer (0 skips)."""
+    o = options
+    check_per_layer(o)
+    method = o.trace_methods[0] if o.trace_methods and o.trace_hvps > 0 else None
+    budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
+    out = []
+    for layer in model_layers(model):
+        t0 = time.perf_counter()
+        sel = f"layer:{layer}"
+        with Objective(model, x, y, params=sel, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
+                       graph_budget=budget, vectors=max(o.lanczos_steps, o.trace_hvps), hvp=o.hvp) as obj:
+            eig = tr = None
+            if o.lanczos_steps > 0:
+                name, total = f"layer {layer}: λ_max (Lanczos)", min(o.lanczos_steps, obj.n)
+                eig = lanczos(obj, 1, 0, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,
+                              callback=_stage_callback(progress, name, total))
+                if progress is not None and eig.hvps < total:
+                    progress(name, eig.hvps, eig.hvps)  # stopped early: the bar completes at what was done
+            if method is not None:
+                tr = TRACE_METHODS[method](obj, o.trace_hvps, seed=o.seed + 1,
+                                           callback=_stage_callback(progress, f"layer {layer}: trace ({method})",
+                                                                    o.trace_hvps))
+            out.append(LayerCurvature(
+                layer, sel, obj.n, eig.lambda_max if eig else None, eig.top_error[0] if eig else None,
+                eig.top_converged[0] if eig else None, eig.hvps if eig else 0, tr.trace if tr else None,
+                tr.se if tr else None, tr.per_param if tr else None, tr.per_param_se if tr else None, method,
+                tr.hvps if tr else 0, time.perf_counter() - t0))
+    return out
+
+
+def _stage_callback(progress: Progress | None, name: str, total: int) -> Callback:
+    if progress is not None:
+        progress(name, 0, total)
+    return lambda done: progress(name, done, total) if progress is not None else None
+
+
+PER_LAYER_COLUMNS = ["layer", "n_params", "lambda_max", "lambda_max_error", "lambda_max_converged", "trace",
+                     "trace_se", "trace_per_param", "trace_per_param_se", "trace_method", "lanczos_hvps",
+                     "trace_hvps", "seconds"]
+
+
+def write_per_layer_report(loaded, layers: list[LayerCurvature], options: SharpnessOptions, *, tokens: int,
+                           name: str, seq_len: int, device: str) -> tuple[dict, dict]:
+    """reports/<name>.json (provenance, options, one entry per layer), .csv and .md (the table)."""
+    from cemtool.report import markdown_table, provenance, write_report
+    from cemtool.runs import atomic_write_text
+
+    rows = [{c: getattr(r, c) for c in PER_LAYER_COLUMNS} for r in layers]
+    payload = {"provenance": provenance(loaded.run.path, seed=options.seed, checkpoint=loaded.checkpoint.name,
+                                        step=loaded.step, analysis="sharpness_per_layer", backend="cemtool",
+                                        arch=loaded.config.model.arch, tokens=tokens, device=device,
+                                        seq_len=seq_len),
+               "options": asdict(options), "tokens": tokens, "seq_len": seq_len,
+               "layers": [asdict(r) for r in layers]}
+    paths = write_report(loaded.run.reports, name, payload, rows)
+    paths["md"] = loaded.run.reports / f"{name}.md"
+    atomic_write_text(paths["md"], f"# Per-layer curvature ({tokens:,} tokens, seed {options.seed})\n\n"
+                      + markdown_table(rows, PER_LAYER_COLUMNS))
+    return payload, paths
+
+
+__all__ = ["LayerCurvature", "Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D",
+           "asam_sharpness", "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d",
+           "measure_per_layer", "measure_sharpness", "sam_sharpness", "worst_case_sharpness"]
 
 
 def write_sharpness_report(loaded, rep: SharpnessReport, *, name: str = "sharpness", seq_len: int,

@@ -10,7 +10,7 @@ from cemtool.cli.app import app
 COMMAND_MODULES = ["cemtool.cli.train_cmd", "cemtool.cli.info_cmd", "cemtool.cli.sharpness_cmd",
                    "cemtool.cli.collapse_cmd", "cemtool.cli.saturation_cmd", "cemtool.cli.forgetting_cmd",
                    "cemtool.cli.sweep_cmd", "cemtool.cli.compare_cmd", "cemtool.cli.plot_cmd", "cemtool.cli.demo_cmd",
-                   "cemtool.cli.export_cmd"]
+                   "cemtool.cli.export_cmd", "cemtool.cli.sample_cmd"]
 
 for _mod in COMMAND_MODULES:
     importlib.import_module(_mod)

@@ -132,6 +132,9 @@ def sharpness(
                                           "needs --dtype fp64)")] = "exact",
     params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
                                              "parameter names (comma-separated union); default all")] = "all",
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="one table instead: λ_max and tr(H) of each layer's "
+                                                                "own block of the Hessian (layer:N, every N)")]
+    = False,
     top_k: Annotated[int, typer.Option(help="largest eigenvalues (default 5)", min=0)] = 5,
     bottom_k: Annotated[int, typer.Option(help="smallest eigenvalues (default 1)", min=0)] = 1,
     lanczos_steps: Annotated[int, typer.Option(help="HVP cap of the eigenvalue Lanczos run (default 40)", min=0)]
@@ -212,6 +215,15 @@ def sharpness(
         slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
         slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory, hvp=hvp)
+    if per_layer:
+        from cemtool.analysis.sharpness import check_per_layer
+
+        if params != "all":
+            raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
+                                     param_hint="--per-layer")
+        if backend != "cemtool":
+            raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
+        check_per_layer(opts)
     if backend == "pyhessian" and hvp != "exact":
         raise CemtoolError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
                            hint="drop --hvp, or use --backend cemtool")
@@ -226,6 +238,10 @@ def sharpness(
              f"evaluation tokens ({x.shape[0]} windows × {x.shape[1]})  {dtype} on {dev}")
     console.info(where, quiet)
     seq = x.shape[1]
+    if per_layer:
+        _per_layer(loaded, x, y, opts, name=name or "sharpness-per-layer", quiet=quiet, json_=json_,
+                   main=dd.main)
+        return
     if backend == "pyhessian":
         _pyhessian(loaded, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size, top_k=top_k,
                    trace_hvps=trace_hvps, density_runs=density_runs, density_steps=density_steps, seed=seed,
@@ -254,6 +270,33 @@ def sharpness(
                    + (f"  figures: {', '.join(str(p) for p in figures if p.suffix == '.png')}" if figures else ""))
     for note in rep.notes:
         console.result(f"note: {note}")
+
+
+def _per_layer(loaded, x, y, opts, *, name: str, quiet: bool, json_: bool, main: bool) -> None:
+    """--per-layer: λ_max and tr(H) of each layer's Hessian block, one row per layer (JSON, CSV and Markdown)."""
+    from cemtool.analysis.sharpness import measure_per_layer, write_per_layer_report
+
+    t0 = time.perf_counter()
+    with StageBar(quiet) as bar:
+        layers = measure_per_layer(loaded.model, x, y, opts, progress=bar)
+    if not main:
+        return
+    payload, paths = write_per_layer_report(loaded, layers, opts, tokens=int(y.numel()), name=name,
+                                            seq_len=int(x.shape[1]), device=opts.device)
+    if json_:
+        console.print_json(payload)
+        return
+    rows = [[str(r.layer), f"{r.n_params:,}",
+             "" if r.lambda_max is None else f"{_fmt(r.lambda_max)} (err ≤~{_fmt(r.lambda_max_error, 2)})",
+             "" if r.lambda_max_converged is None else ("yes" if r.lambda_max_converged else "NOT converged"),
+             _pm(r.trace, r.trace_se) if r.trace is not None else "",
+             _pm(r.trace_per_param, r.trace_per_param_se) if r.trace is not None else "",
+             f"{r.lanczos_hvps} + {r.trace_hvps}"] for r in layers]
+    console.table(f"per-layer curvature of {loaded.config.model.arch} on N = {int(y.numel()):,} tokens "
+                  f"(trace: {layers[0].trace_method or 'skipped'}, ± standard error)",
+                  ["layer", "parameters", "λ_max", "converged", "tr(H)", "tr(H)/n", "HVPs"], rows)
+    console.result(f"{len(layers)} layers in {time.perf_counter() - t0:.1f} s; seed {opts.seed}")
+    console.result(f"report: {paths['json']}  table: {paths['csv']}, {paths['md']}")
 
 
 def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_hvps, density_runs, density_steps,

@@ -137,6 +137,7 @@ def train(
     from cemtool.data.corpus import load_corpus
     from cemtool.data.tokenizer import load_tokenizer
     from cemtool.runs import create_run, open_run
+    from cemtool.tblog import check_log_to
     from cemtool.train import finalize_model_config, pick_device
     from cemtool.train import train as train_loop
 
@@ -155,10 +156,12 @@ def train(
         if meta.get("status") == "completed":
             raise CemtoolError(f"run {resume} is already completed")
         cfg = run.config()
+        check_log_to(cfg.train.log_to)
         corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(run.path / "tokenizer.json"))
         writer = run if rank == 0 else None  # rank 0 alone writes (and unlocks) the run
     else:
         cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
+        check_log_to(cfg.train.log_to)  # before the run is created
         if config and len(config) > 1:
             console.info(f"config: composed {' then '.join(map(str, config))} (a later file overrides an earlier "
                          f"one key by key; --set overrides them all)", quiet)

@@ -74,9 +74,14 @@ def _compare(report: dict, plots: Path, stem: str) -> list[Path]:
     return plot_compare(report, plots, stem)
 
 
+def _no_figure(report: dict, plots: Path, stem: str) -> list[Path]:
+    return []  # a table only (sharpness --per-layer: its numbers are in report.md)
+
+
 PLOTTERS: dict[str, Plotter] = {"collapse": _collapse, "collapse_compare": _collapse, "compare": _compare,
                                 "forgetting": _forgetting, "saturation": _saturation,
-                                "saturation_sweep": _saturation_sweep, "sharpness": _sharpness}
+                                "saturation_sweep": _saturation_sweep, "sharpness": _sharpness,
+                                "sharpness_per_layer": _no_figure}
 
 SHAPE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
 
@@ -154,7 +159,7 @@ def _plot_reports(paths: list[Path], plots: Path, figures: dict, problems: list[
             plotter = PLOTTERS.get(report_kind(stem, rep) or "") or plotter_for(stem)  # any name (--name)
             if plotter is not None:
                 figures[stem] = _pngs(plotter(rep, plots, stem))
-            writer = section_writer(stem)
+            writer = section_writer(stem, rep)
             if writer is not None:
                 writer(rep)  # its numbers can be read too
         except ModuleNotFoundError as e:

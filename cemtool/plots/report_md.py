@@ -244,6 +244,18 @@ def layers_section(reports: list[dict]) -> str:
             + markdown_table(rows))
 
 
+def per_layer_section(report: dict) -> str:
+    """The table of ``cemtool sharpness --per-layer``: λ_max and tr(H) of each layer's Hessian block."""
+    rows = [{"layer": r["layer"], "parameters": _int(r.get("n_params")),
+             "λ_max": "-" if r.get("lambda_max") is None else
+             fmt(r["lambda_max"]) + ("" if r.get("lambda_max_converged") else " (not converged)"),
+             "tr(H)": "-" if r.get("trace") is None else pm(r["trace"], r["trace_se"]),
+             "tr(H)/n": "-" if r.get("trace") is None else pm(r["trace_per_param"], r["trace_per_param_se"])}
+            for r in report["layers"]]
+    return (f"Hessian restricted to each layer's parameters (`cemtool sharpness --per-layer`), "
+            f"{_int(report.get('tokens'))} tokens.\n\n" + markdown_table(rows))
+
+
 def forgetting_rows(reports: list[dict]) -> list[dict]:
     rows = []
     for r in reports:
@@ -347,18 +359,24 @@ SECTION_TITLES = {"sharpness": "Curvature and sharpness", "collapse": "Represent
                   "saturation_sweep": "Saturation sweep", "forgetting": "Forgetting and plasticity",
                   "compare": "Comparison", "study": "Study", "demo": "How long the demo took"}
 
-SECTION_TITLES.update({"sharpness_layers": "Curvature per layer", "sharpness_pyhessian": "PyHessian cross-check"})
+SECTION_TITLES.update({"sharpness_layers": "Curvature per layer", "sharpness-per-layer": "Curvature per layer",
+                       "sharpness_pyhessian": "PyHessian cross-check"})
 
 SECTIONS: dict[str, Callable] = {"collapse": collapse_section, "collapse_compare": collapse_section,
                                  "saturation": saturation_section, "saturation_sweep": saturation_sweep_section,
                                  "sharpness": sharpness_section, "sharpness_layers": layers_section,
                                  "forgetting": forgetting_section, "study": study_section,
                                  "sharpness_pyhessian": pyhessian_section, "compare": compare_section,
-                                 "demo": demo_section}
+                                 "demo": demo_section, "sharpness_per_layer": per_layer_section}
 
 
-def section_writer(stem: str) -> Callable | None:
-    """The writer of a report stem: exact, else the longest known stem it starts with (``sharpness-attn``)."""
+def section_writer(stem: str, report: dict | list | None = None) -> Callable | None:
+    """The writer of a report stem: exact, else the longest known stem it starts with (``sharpness-attn``); a
+    per-layer sharpness report (its provenance says so) has its own, whatever its name."""
+    from cemtool.report import report_kind
+
+    if isinstance(report, dict) and report_kind(stem, report) == "sharpness_per_layer":
+        return SECTIONS["sharpness_per_layer"]
     if stem in SECTIONS:
         return SECTIONS[stem]
     keys = [k for k in SECTIONS if stem.startswith(k + "_") or stem.startswith(k + "-")]
@@ -371,7 +389,7 @@ def section(stem: str, report: dict | list | None, figs: list[Path], base: Path,
     title = SECTION_TITLES.get(stem) or (f"{SECTION_TITLES[stem.split('-')[0]]} (`{stem}`)"
                                          if stem.split("-")[0] in SECTION_TITLES else stem.replace("_", " "))
     parts = [f"## {title}\n"]
-    writer = section_writer(stem)
+    writer = section_writer(stem, report)
     if writer is not None and report is not None:
         try:
             parts.append(writer(report))
