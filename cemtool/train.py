@@ -391,7 +391,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                            val_loss=val_loss, val_bpb=bits_per_byte(val_loss, bytes_per_token),
                            val_ppl=perplexity(val_loss), epochs=tokens_seen / epoch_tokens, val_floor=floor,
                            entropy_rate=corpus.entropy_rate, params=params, world_size=dd.world,
-                           **({"resume_step": saved} if status == "interrupted" else {}))
+                           resume_step=saved if status == "interrupted" else None)
     _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
     return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token),
                        signal=stop.signal if status == "interrupted" else None, resume_step=saved)
