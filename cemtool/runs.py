@@ -307,8 +307,9 @@ class Run:
         """Refuse (before writing) if the path no longer names the directory opened: the run was moved aside
         (``train --force``) or replaced, so whatever was measured belongs to another run."""
         if self.ident is not None and _dir_ident(self.path) != self.ident:
-            raise CemtoolError(f"run {self.path} was replaced by another run after it was opened (train --force?): "
-                               "nothing written into it", hint="measure the new run again if you want its report")
+            raise CemtoolError(f"run {self.path} is no longer the run that was opened (moved aside by train --force, "
+                               "or replaced): nothing was written into it",
+                               hint="measure the run now at this path again if you want its report")
 
     def _subdir(self, name: str) -> Path:
         self.check_same()

@@ -262,6 +262,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     def session() -> dict:
         return {"started": started, "from_step": first_step, "to_step": step,
                 "seconds": time.perf_counter() - t0, "device": str(dev)}
+
     def checkpoint_here() -> None:  # weights checked on every rank first: all stop alike
         x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
         check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)

@@ -107,7 +107,7 @@ def test_a_report_never_lands_in_a_run_that_replaced_the_measured_one(tmp_path, 
     create_run(run, resolve(seed=7), force=True).unlock()  # moved aside under it (e.g. an old cemtool's --force)
     for write in (lambda: loaded.run.write_report("sharpness", {"x": 1}), lambda: loaded.run.plots,
                   lambda: stale.update_meta(status="failed"), lambda: stale.lock(shared=True)):
-        with pytest.raises(CemtoolError, match="was replaced by another run"):
+        with pytest.raises(CemtoolError, match="no longer the run that was opened"):
             write()
     assert not (run / "reports").exists()
     assert json.loads((run / "meta.json").read_text())["seed"] == 7
@@ -274,3 +274,22 @@ def test_bad_inputs_state_cases_are_clean(tmp_path, tiny_run):
     assert len(results) >= 20
     unclean = [(r["case"], r["why"]) for r in results if not r["clean"]]
     assert not unclean, unclean
+
+
+def test_stop_signals_record_the_first_stop_at_the_second_and_keep_an_ignored_one():
+    from cemtool.train import StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's Ctrl-C
+    stop = StopSignals()
+    try:
+        stop.install()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signal == "SIGTERM"  # recorded: the loop stops after the current step
+        with pytest.raises(KeyboardInterrupt):  # a second one stops at once
+            os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        stop.restore()
+        signal.signal(signal.SIGINT, ignored)
+    assert signal.getsignal(signal.SIGTERM) is before
