@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -110,10 +111,31 @@ def current() -> Dist:
     return Dist()
 
 
-def _failed(what: str, e: BaseException) -> CemtoolError:
+def _failed(what: str, e: BaseException, job: str = "analysis",
+            hint: str = "see the first error of the other ranks; no report was written") -> CemtoolError:
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    return CemtoolError(f"rank {current().rank}: {what} failed: another process of the analysis died or timed out "
-                        f"({first})", hint="see the first error of the other ranks; no report was written")
+    first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", first)  # gloo's source location
+    return CemtoolError(f"rank {current().rank}: {what} failed: another process of the {job} died or timed out "
+                        f"({first[:160]})", hint=hint)
+
+
+_PEER_WORDS = ("gloo", "nccl", "connection reset", "connection closed", "broken pipe", "timed out", "timeout",
+               "socket", "peer")
+
+
+def peer_failure(e: BaseException) -> bool:
+    """Whether ``e``, raised inside a collective (DDP's gradient all-reduce included), is what torch raises when
+    another rank died or did not answer in time: a DistError, or gloo's and NCCL's RuntimeErrors ('Connection
+    reset by peer', 'Connection closed by peer', a timeout)."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(w in str(e).lower() for w in _PEER_WORDS)
+
+
+def training_failed(e: BaseException, step: int, resume_hint: str) -> CemtoolError:
+    """The one line a rank prints when a collective of the training fails because another rank died."""
+    return _failed(f"training step {step + 1}", e, job="training",
+                   hint=f"see the first error of the other ranks; {resume_hint}")
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:

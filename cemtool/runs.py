@@ -31,6 +31,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -291,12 +292,27 @@ def open_lock_file(p: Path) -> int:
 
 @dataclass
 class Run:
-    """A run directory opened for writing (holds its lock) or for reading."""
+    """A run directory opened for writing (holds its lock) or for reading. ``ident``: the directory's (device,
+    inode) when it was opened; every write into the run checks that the path still names that directory."""
 
     path: Path
     lock_fd: int | None = None
+    ident: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.ident is None:
+            self.ident = _dir_ident(self.path)
+
+    def check_same(self) -> None:
+        """Refuse (before writing) if the path no longer names the directory opened: the run was moved aside
+        (``train --force``) or replaced, so whatever was measured belongs to another run."""
+        if self.ident is not None and _dir_ident(self.path) != self.ident:
+            raise CemtoolError(f"run {self.path} is no longer the run that was opened (moved aside by train --force, "
+                               "or replaced): nothing was written into it",
+                               hint="measure the run now at this path again if you want its report")
 
     def _subdir(self, name: str) -> Path:
+        self.check_same()
         p = self.path / name
         if p.is_symlink():
             raise CemtoolError(f"{p} is a symbolic link: cemtool does not follow links inside a run directory",
@@ -317,19 +333,32 @@ class Run:
 
     # -- locking ----------------------------------------------------------------------------------------------
 
-    def lock(self) -> None:
-        """Take the run's exclusive lock (released automatically if the process dies). The lock file is opened
-        without following links: a planted ``.lock`` symlink is refused, never written through."""
+    def lock(self, shared: bool = False) -> None:
+        """Take the run's lock (released automatically if the process dies): exclusive for a writer (training,
+        ``--resume``, ``--force`` before it moves the run aside), ``shared`` for an analysis, which several may hold
+        at once but none while a writer holds it. Never waits: a lock held the other way is a one-line error. The
+        lock file is opened without following links: a planted ``.lock`` symlink is refused, never written
+        through."""
         fd = open_lock_file(self.path / ".lock")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise CemtoolError(f"run {self.path} is in use by another process",
-                               hint="wait for it to finish or stop it") from None
+            if shared:
+                raise CemtoolError(f"run {self.path} is being written by another process (training)",
+                                   hint="measure it once the training has ended") from None
+            raise CemtoolError(f"run {self.path} is in use by another process (training, or an analysis reading "
+                               "it)", hint="wait for it to finish or stop it") from None
+        self.lock_fd = fd
+        try:
+            self.check_same()  # the run was swapped between opening and locking
+        except CemtoolError:
+            self.unlock()
+            raise
+        if shared:
+            return
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
-        self.lock_fd = fd
         for name in RUN_FILES + RUN_SUBDIRS:  # a writer never follows a link planted among the run's files
             if (self.path / name).is_symlink():
                 self.unlock()
@@ -384,6 +413,7 @@ class Run:
         return meta
 
     def update_meta(self, **changes: Any) -> dict:
+        self.check_same()
         meta = self.meta()
         meta.update(changes)
         atomic_write_json(self.path / "meta.json", meta)
@@ -449,6 +479,27 @@ class Run:
         return path
 
 
+def _dir_ident(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of the directory ``path`` names (through a link: the run directory may be one)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def lock_for_reading(path: str | Path) -> Run | None:
+    """The run at ``path`` with its shared lock taken: what an analysis holds from before it loads the run until
+    its reports are written, so that ``train --force`` cannot move the run aside meanwhile. None if ``path`` is
+    not a cemtool run directory (a Hugging Face model, ``hf:`` id or missing folder: loading says what it is)."""
+    p = Path(path)
+    if not p.is_dir() or not is_run(p):
+        return None
+    run = Run(p)
+    run.lock(shared=True)
+    return run
+
+
 def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: list[str] | None = None,
                device: str = "cpu", extra_meta: dict | None = None, tokenizer: Any = None) -> Run:
     """Make a fresh run directory (locked), with its config.json, meta.json and (given ``tokenizer``)
@@ -460,7 +511,7 @@ def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: l
         path = path.resolve()  # --out is a link to a folder: build the run beside the folder it names
     if path.exists() and not path.is_dir():
         raise CemtoolError(f"output path {path} exists and is not a directory")
-    move_aside = False
+    probe = None
     if path.exists() and any(path.iterdir()):
         if not is_run(path):
             raise CemtoolError(f"output directory {path} is not empty and is not a cemtool run",
@@ -469,9 +520,18 @@ def create_run(path: str | Path, cfg: RunConfig, *, force: bool = False, argv: l
             raise CemtoolError(f"output directory {path} already holds a run",
                                hint="use --resume to continue it, --force to move it aside, or another --out")
         probe = Run(path)
-        probe.lock()  # refuse to move a run that is being written
-        probe.unlock()
-        move_aside = True
+        probe.lock()  # refuse to move a run that is being written or measured; held until it is moved aside
+    try:
+        return _new_run(path, cfg, move_aside=probe is not None, argv=argv, device=device, extra_meta=extra_meta,
+                        tokenizer=tokenizer)
+    finally:
+        if probe is not None:
+            probe.unlock()
+
+
+def _new_run(path: Path, cfg: RunConfig, *, move_aside: bool, argv: list[str] | None, device: str,
+             extra_meta: dict | None, tokenizer: Any) -> Run:
+    """create_run's work: the run written into a hidden folder, the old one moved aside, the folder renamed."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -750,10 +810,72 @@ def load_weights(model: torch.nn.Module, ckpt: Checkpoint) -> None:
                            f"{str(e).splitlines()[1].strip()[:160] if len(str(e).splitlines()) > 1 else e}") from None
 
 
-def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load a step checkpoint's weights, optimizer state and RNG state for resuming; one-line errors."""
+def check_fits(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Refuse, before anything is restored, a step checkpoint that does not fit the model and optimizer being
+    resumed: every weight must have the model's name, shape and dtype; the optimizer state the live optimizer's
+    groups and parameter counts, every tensor of a parameter's state that parameter's shape and dtype (or be a
+    floating scalar, like AdamW's step), the same state names for every parameter of one optimizer; the RNG state
+    the length of torch's. A forged file (a wrong-shaped tensor under a recomputed checksum) is then skipped on
+    resume like a corrupt one, instead of crashing half-way through loading."""
     import torch
 
+    def bad(what: str) -> CemtoolError:
+        return CemtoolError(f"checkpoint {ckpt.path} does not fit the configured model and optimizer ({what})",
+                            hint="use an earlier checkpoint or retrain")
+
+    plain = getattr(model, "_orig_mod", model)
+    live = getattr(plain, "module", plain).state_dict()  # no compile/DDP prefixes, as model_tensors
+    if set(live) != set(ckpt.weights):
+        odd = sorted(set(live) ^ set(ckpt.weights))
+        raise bad(f"weights {', '.join(odd[:3])} missing or unexpected")
+    for k, t in live.items():
+        w = ckpt.weights[k]
+        if w.shape != t.shape or w.dtype != t.dtype:
+            raise bad(f"weight {k} is {w.dtype} {tuple(w.shape)}, the model's {t.dtype} {tuple(t.shape)}")
+    rng = ckpt.tensors.get("rng.torch")
+    if rng is not None and rng.numel() != torch.get_rng_state().numel():
+        raise bad(f"the RNG state has {rng.numel()} bytes, torch's {torch.get_rng_state().numel()}")
+    state = ckpt.optimizer_state()
+    if optimizer is not None and state is not None:
+        why = _optimizer_misfit(state, optimizer)
+        if why:
+            raise bad(why)
+
+
+def _optimizer_misfit(state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+    """Why a saved optimizer state_dict cannot be loaded into ``optimizer`` (None if it can): see check_fits."""
+    import torch
+
+    saved, mine = state["param_groups"], optimizer.state_dict()["param_groups"]
+    if len(saved) != len(mine) or any(
+            not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(m["params"])
+            or g.get("optimizer") != m.get("optimizer") for g, m in zip(saved, mine, strict=False)):
+        return "its parameter groups are not this optimizer's"
+    params = [p for g in optimizer.param_groups for p in g["params"]]  # torch pairs them with the saved ids in order
+    owner = [m.get("optimizer") for m in mine for _ in m["params"]]
+    index = {i: n for n, i in enumerate(i for g in saved for i in g["params"])}
+    names: dict = {}
+    for i, entry in state["state"].items():
+        if i not in index or not isinstance(entry, dict):
+            return f"optimizer state {i!r} names no parameter"
+        n = index[i]
+        if names.setdefault(owner[n], set(entry)) != set(entry):
+            return f"parameter {i}'s optimizer state holds {sorted(entry)}, another's {sorted(names[owner[n]])}"
+        for key, v in entry.items():
+            if isinstance(v, torch.Tensor) and not (v.dim() == 0 and v.is_floating_point()) \
+                    and (v.shape != params[n].shape or v.dtype != params[n].dtype):
+                return (f"optimizer {key} of parameter {i} is {v.dtype} {tuple(v.shape)}, the parameter "
+                        f"{params[n].dtype} {tuple(params[n].shape)}")
+    return None
+
+
+def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a step checkpoint's weights, optimizer state and RNG state for resuming (checked first by
+    :func:`check_fits`, so that a checkpoint that does not fit leaves model and optimizer untouched); one-line
+    errors."""
+    import torch
+
+    check_fits(ckpt, model, optimizer)
     load_weights(model, ckpt)
     state = ckpt.optimizer_state()
     try:
@@ -766,11 +888,13 @@ def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.
                            f"model ({str(e).splitlines()[0][:120]})", hint="use an earlier checkpoint") from None
 
 
-def resume_checkpoint(run: Run, set_aside: bool = True) -> tuple[Checkpoint | None, list[str]]:
-    """The newest step checkpoint that verifies, and a note for each newer one skipped (corrupt, truncated, not
-    cemtool's); with ``set_aside`` (the one writing process) those are renamed to ``<name>.corrupt`` (kept, but no
-    longer taken for checkpoints, nor pruned in place of good ones). (None, []) if the run has no step checkpoint;
-    an error if none of them verifies."""
+def resume_checkpoint(run: Run, set_aside: bool = True, fits: Callable[[Checkpoint], None] | None = None
+                      ) -> tuple[Checkpoint | None, list[str]]:
+    """The newest step checkpoint that verifies (and, given ``fits``, passes it: e.g. :func:`check_fits` against
+    the model being resumed), and a note for each newer one skipped (corrupt, truncated, not cemtool's, forged);
+    with ``set_aside`` (the one writing process) those are renamed to ``<name>.corrupt`` (kept, but no longer taken
+    for checkpoints, nor pruned in place of good ones). (None, []) if the run has no step checkpoint; an error if
+    none of them verifies."""
     try:
         entries = manifest(run)
         notes = []
@@ -781,6 +905,8 @@ def resume_checkpoint(run: Run, set_aside: bool = True) -> tuple[Checkpoint | No
     for path in reversed(steps):
         try:
             ckpt = read_checkpoint(path, entries)
+            if fits is not None:
+                fits(ckpt)
         except CemtoolError as e:
             errors.append((path, e.message))
             continue

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -22,13 +24,13 @@ import torch.distributed as dist
 from cemtool.analysis import curvature
 from cemtool.config import RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
-from cemtool.distributed import Dist, init_distributed  # noqa: F401 (Dist: re-exported)
+from cemtool.distributed import Dist, init_distributed, peer_failure, training_failed  # noqa: F401 (Dist: re-exported)
 from cemtool.errors import CemtoolError
 from cemtool.memory import available_memory, check_memory, count_params, memory_estimate, rough_params  # noqa: F401
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
-from cemtool.runs import Run, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
+from cemtool.runs import Run, check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 from cemtool.tblog import check_log_to, metrics_writer
 
 Callback = Callable[[dict], None]
@@ -129,10 +131,50 @@ class TrainResult:
     val_floor: float | None
     seconds: float
     val_bpb: float | None = None
+    signal: str | None = None  # SIGINT or SIGTERM, when one interrupted the run
+    resume_step: int | None = None  # the step of the newest step checkpoint: where --resume continues
 
 
 class NonFiniteLoss(CemtoolError):
     pass
+
+
+class StopSignals:
+    """SIGINT and SIGTERM while training: the handler only records the signal; the loop asks :meth:`requested` at
+    the end of every step, then checkpoints and stops (all ranks at the same step). A second signal stops at once
+    (KeyboardInterrupt: the newest checkpoint is kept). A signal this process ignores (a background job's SIGINT)
+    stays ignored; outside the main thread (where Python cannot install handlers) nothing is installed."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._old: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            old = signal.getsignal(sig)
+            if old is not signal.SIG_IGN and old is not None:
+                self._old[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt
+        self.signal = signal.Signals(signum).name
+
+    def requested(self, dd: Dist, device: torch.device) -> bool:
+        """Whether a rank was signalled; under torchrun the signal numbers are all-reduced (max: SIGTERM over
+        SIGINT), so that every rank stops after the same step and knows why."""
+        if dd.world > 1:
+            num = torch.tensor(float(signal.Signals[self.signal].value if self.signal else 0), device=device)
+            dist.all_reduce(num, op=dist.ReduceOp.MAX)
+            self.signal = signal.Signals(int(num.item())).name if num.item() else None
+        return self.signal is not None
 
 
 def _emit(cb: Callback | None, **event) -> None:
@@ -218,14 +260,26 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     t0 = time.perf_counter()
     t_log, tok_log = t0, 0
     started, first_step = _now(), step  # this process's session of the run (meta.json "sessions")
+    saved = step if resume and step else None  # the newest step checkpoint: where a resume would continue
 
     def session() -> dict:
         return {"started": started, "from_step": first_step, "to_step": step,
                 "seconds": time.perf_counter() - t0, "device": str(dev)}
+
+    def checkpoint_here() -> None:  # weights checked on every rank first: all stop alike
+        x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
+        check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)
+        if writer is not None:
+            _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints,
+                        extra=tracker.state() if tracker is not None else None)
+            _emit(callback, kind="checkpoint", step=step)
+
     val_loss: float | None = None
     status = "completed"
     done_here = 0
     model.train()
+    stop = StopSignals()
+    stop.install()
     try:
         # the untrained model, where every curve starts; unless the run has it already (a resume before the first
         # checkpoint, or a caller that measured it, as forgetting does)
@@ -287,12 +341,17 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                 val_loss = eval_row(step, tokens_seen)
             ckpt_every = tc.ckpt_every or tc.eval_every
             if step % ckpt_every == 0 and step < steps_total:
-                x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
-                check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)  # every rank: all stop alike
-                if writer is not None:
-                    _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints,
-                                extra=tracker.state() if tracker is not None else None)
-                    _emit(callback, kind="checkpoint", step=step)
+                checkpoint_here()
+                saved = step
+            if stop.requested(dd, dev) and step < steps_total:  # SIGINT/SIGTERM: checkpoint here, then stop
+                status = "interrupted"
+                if saved != step:
+                    try:
+                        checkpoint_here()
+                        saved = step
+                    except NonFiniteLoss as e:  # never a checkpoint of broken weights: the older one stays
+                        _emit(callback, kind="note", message=f"no checkpoint at step {step}: {e.message}")
+                break
             if stop_after is not None and done_here >= stop_after and step < steps_total:
                 status = "interrupted"
                 break
@@ -309,10 +368,21 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                            f"d_model={cfg.model.d_model})",
                            hint="shrink train.batch_size (use train.grad_accum to keep the batch), data.seq_len "
                                 "or the model") from None
+    except RuntimeError as e:  # under torchrun: another rank died or timed out in a collective
+        if dd.world == 1 or not peer_failure(e):
+            raise
+        if writer is not None:
+            writer.end_session(session(), "failed", best_effort=True, step=step,
+                               error="another rank died or timed out")
+        where = f"from step {saved}" if saved is not None else "from step 0 (no step checkpoint yet)"
+        raise training_failed(e, step, f"the run is marked failed; cemtool train --resume continues it {where}"
+                              ) from None
     except (CemtoolError, OSError) as e:  # e.g. disk full: the run must not stay "running"
         if writer is not None:
             writer.end_session(session(), "failed", best_effort=True, step=step, error=str(e)[:300])
         raise
+    finally:
+        stop.restore()
     seconds = time.perf_counter() - t0
     if writer is not None:
         if status == "completed":
@@ -324,9 +394,11 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
         writer.end_session({**session(), "seconds": seconds}, status, step=step, tokens=tokens_seen,
                            val_loss=val_loss, val_bpb=bits_per_byte(val_loss, bytes_per_token),
                            val_ppl=perplexity(val_loss), epochs=tokens_seen / epoch_tokens, val_floor=floor,
-                           entropy_rate=corpus.entropy_rate, params=params, world_size=dd.world)
+                           entropy_rate=corpus.entropy_rate, params=params, world_size=dd.world,
+                           resume_step=saved if status == "interrupted" else None)
     _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
-    return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token))
+    return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token),
+                       signal=stop.signal if status == "interrupted" else None, resume_step=saved)
 
 
 def _finite(tensors) -> bool:
@@ -381,11 +453,13 @@ def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callb
              tracker: curvature.CurvatureTracker | None = None, main: bool = True) -> tuple[int, int]:
     """Weights, optimizer and RNG state (and the curvature tracker's warm start) of the newest step checkpoint that
     verifies; a newer one that does not is set aside (by the main process only), with a 'note' event saying so."""
-    ckpt, notes = resume_checkpoint(run, set_aside=main)
+    ckpt, notes = resume_checkpoint(run, set_aside=main, fits=lambda c: check_fits(c, model, opt))
     for note in notes:
         _emit(callback, kind="note", message=note)
     if ckpt is None:
+        _emit(callback, kind="resume", step=0, checkpoint=None)
         return 0, 0
+    _emit(callback, kind="resume", step=ckpt.step, checkpoint=ckpt.path.name)
     restore_training(ckpt, model, opt)
     if tracker is not None:
         tracker.load_state(ckpt.tensors)

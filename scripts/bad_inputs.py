@@ -196,9 +196,178 @@ def cases_files() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+HELD_AT: list[Path] = []  # the run whose lock hold_lock takes: named by the case's setup (_held)
+
+
+def _held(ws: Path, args: list[str]) -> list[str]:
+    HELD_AT[:] = [ws / "run"]
+    return args
+
+
+def hold_lock(shared: bool) -> Callable[[], Callable[[], None]]:
+    """The lock of the run named by ``_held`` held while the command runs, as another process would hold it (the
+    flock locks of two open files exclude each other within one process too): shared by an analysis, or
+    exclusive by a training."""
+
+    def install() -> Callable[[], None]:
+        from cemtool.runs import Run
+
+        run = Run(HELD_AT[0])
+        run.lock(shared=shared)
+        return run.unlock
+
+    return install
+
+
+def forge_step(ws: Path, tensors=None, header=None, which: str = "step_*") -> None:
+    """Rewrite the run's step checkpoints (``which``): ``tensors(dict)`` and ``header(dict)`` change them in place,
+    then the file's own checksum and the manifest's are recomputed, so that every hash accepts the forgery."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from cemtool.runs import _content_sha256, _sha256
+
+    set_status(ws / "run", "interrupted")
+    ckdir = ws / "run" / "checkpoints"
+    entries = json.loads((ckdir / "manifest.json").read_text())
+    for path in sorted(ckdir.glob(f"{which}.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            meta, ts = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+        hdr = json.loads(meta["cemtool"])
+        if tensors:
+            tensors(ts)
+        if header:
+            header(hdr)
+        meta["cemtool"] = json.dumps(hdr)
+        meta["cemtool_sha256"] = _content_sha256(meta["cemtool"], ts)
+        path.write_bytes(save(ts, metadata=meta))
+        entries[path.name]["sha256"] = _sha256(path)
+    (ckdir / "manifest.json").write_text(json.dumps(entries))
+    shutil.copy(ws / "run" / "meta.json", ws / "meta.before")
+
+
+def _first(ts: dict, part: str) -> str:
+    return next(k for k in sorted(ts) if part in k)
+
+
+def _opt_header(hdr: dict) -> dict:
+    """The optimizer state_dict skeleton of a header, as {"state": ..., "param_groups": ...} (lists, editable)."""
+    return {k: v for k, v in hdr["optimizer"]["__dict__"]}
+
+
+def _drop_group(hdr: dict) -> None:
+    opt = _opt_header(hdr)
+    opt["param_groups"].pop()
+
+
+def _ghost_param(hdr: dict) -> None:
+    state = _opt_header(hdr)["state"]["__dict__"]
+    state.append([{"__int__": 999}, state[0][1]])
+
+
+def _missing_moment(hdr: dict) -> None:
+    state = _opt_header(hdr)["state"]["__dict__"]
+    state[0][1]["__dict__"] = [kv for kv in state[0][1]["__dict__"] if kv[0] != "exp_avg_sq"]
+
+
+def _resume(ws: Path) -> list[str]:
+    return ["train", "--resume", str(ws / "run"), "--quiet"]
+
+
+def _forged(tensors=None, header=None, which: str = "step_*") -> Callable[[Path], list[str]]:
+    return lambda ws: (forge_step(ws, tensors, header, which), _resume(ws))[-1]
+
+
+def _reshape(part: str, fn) -> Callable[[dict], None]:
+    def change(ts: dict) -> None:
+        k = _first(ts, part)
+        ts[k] = fn(ts[k])
+    return change
+
+
+def seed_unchanged(ws: Path) -> str | None:
+    meta = json.loads((ws / "run" / "meta.json").read_text())
+    moved = list(ws.glob("run.replaced-*"))
+    return None if meta.get("seed") == 0 and not moved else "the run was replaced under the lock"
+
+
 def cases_state() -> list[Case]:
     """Cases of issue 20 items 9-11, 18: locks, torchrun, forged checkpoints, interrupts."""
-    out: list[Case] = []
+    small = lambda ws: ["--data", write(ws / "t.txt", TEXT), *SMALL, "--seed", "7"]  # noqa: E731
+    analyses = {"sharpness": lambda ws: _sharp(ws, "--no-plots"),
+                "collapse-report": lambda ws: ["collapse-report", str(ws / "run"), "--quiet", "--no-plots"],
+                "saturation": lambda ws: ["saturation", str(ws / "run"), "--quiet", "--no-plots"],
+                "forgetting (source run)": lambda ws: ["forgetting", str(ws / "run"), "--to", "grammar-b", "--out",
+                                                       str(ws / "out"), "--quiet"]}
+    out: list[Case] = [
+        # item 9: analyses hold the run's lock shared; training and --force take it exclusively
+        Case("train --force while an analysis measures the run", "20.9",
+             lambda ws: _held(ws, ["train", "--out", str(ws / "run"), "--force", "--quiet", *small(ws)]),
+             patch=hold_lock(shared=True), words=("in use by another process",), check=seed_unchanged),
+        Case("train --force while the run is being trained", "20.9",
+             lambda ws: _held(ws, ["train", "--out", str(ws / "run"), "--force", "--quiet", *small(ws)]),
+             patch=hold_lock(shared=False), words=("in use by another process",), check=seed_unchanged),
+        Case("train --resume while an analysis measures the run", "20.9",
+             lambda ws: (set_status(ws / "run", "interrupted"), shutil.copy(ws / "run" / "meta.json",
+                                                                            ws / "meta.before"),
+                         _held(ws, _resume(ws)))[-1],
+             patch=hold_lock(shared=True), words=("in use by another process",), check=meta_unchanged),
+        *[Case(f"{name} while the run is being trained", "20.9", lambda ws, a=args: _held(ws, a(ws)),
+               patch=hold_lock(shared=False), words=("being written by another process",))
+          for name, args in analyses.items()],
+        Case("sharpness: .lock is a symlink", "20.9",
+             lambda ws: (relink(ws / "run" / ".lock", ws / "outside" / "victim.txt"), _sharp(ws))[-1],
+             words=("symbolic link",), check=victim_intact),
+        Case("sharpness: .lock is a hard link", "20.9",
+             lambda ws: (os.link(ws / "outside" / "victim.txt", ws / "run" / ".lock"), _sharp(ws))[-1],
+             words=("not a plain file",), check=victim_intact),
+        Case("sharpness: .lock is a folder", "20.9",
+             lambda ws: ((ws / "run" / ".lock").mkdir(), _sharp(ws))[-1], words=(".lock",)),
+        Case("collapse-report: .lock is a symlink", "20.9",
+             lambda ws: (relink(ws / "run" / ".lock", ws / "outside" / "victim.txt"),
+                         ["collapse-report", str(ws / "run"), "--quiet"])[-1],
+             words=("symbolic link",), check=victim_intact),
+        # item 11: forged step checkpoints (every hash recomputed) are refused before anything is restored
+        Case("resume: forged optimizer moment of the wrong shape", "20.11",
+             _forged(_reshape("exp_avg_sq", lambda t: t.reshape(-1)[:-1].clone())), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged optimizer moment of the wrong dtype", "20.11",
+             _forged(_reshape("state.1.exp_avg", lambda t: t.double())), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged optimizer step of the wrong shape", "20.11",
+             _forged(_reshape("state.0.step", lambda t: t.reshape(1).repeat(3))), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged weight of the wrong shape", "20.11",
+             _forged(_reshape("model.blocks.0.attn.wq", lambda t: t[:-1].clone())), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged weight of the wrong dtype", "20.11",
+             _forged(_reshape("model.blocks.1", lambda t: t.half())), words=("does not fit",), check=meta_unchanged),
+        Case("resume: forged extra weight", "20.11",
+             _forged(lambda ts: ts.update({"model.blocks.9.attn.wq.weight": ts[_first(ts, "model.blocks.0")] * 1})),
+             words=("does not fit",), check=meta_unchanged),
+        Case("resume: forged checkpoint missing a weight", "20.11",
+             _forged(lambda ts: ts.pop(_first(ts, "model.blocks.1.attn.wq"))), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged RNG state of the wrong length", "20.11",
+             _forged(_reshape("rng.torch", lambda t: t[:-8].clone())), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: forged optimizer with a parameter group less", "20.11", _forged(header=_drop_group),
+             words=("does not fit",), check=meta_unchanged),
+        Case("resume: forged optimizer state of a parameter that does not exist", "20.11",
+             _forged(header=_ghost_param), words=("does not fit",), check=meta_unchanged),
+        Case("resume: forged optimizer state lacking a moment", "20.11",
+             _forged(lambda ts: ts.pop("optim.state.0.exp_avg_sq"), _missing_moment), words=("does not fit",),
+             check=meta_unchanged),
+        Case("resume: newest step checkpoint forged, the older one resumes", "20.11",
+             _forged(_reshape("exp_avg_sq", lambda t: t.reshape(-1)[:-1].clone()), which="step_000020"),
+             expect="ok", words=("skipped step_000020.safetensors", "does not fit", "resuming from step 10"),
+             fast=False),
+        # item 18: where a resume starts is said
+        Case("resume: a run interrupted before its first checkpoint says it starts from step 0", "20.18",
+             lambda ws: (set_status(ws / "run", "interrupted"),
+                         [p.unlink() for p in (ws / "run" / "checkpoints").glob("step_*")],
+                         _resume(ws))[-1], expect="ok", words=("resuming from step 0",), fast=False),
+    ]
     return out
 
 

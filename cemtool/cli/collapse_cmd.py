@@ -10,7 +10,7 @@ import typer
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded
+from cemtool.cli.common import guarded, hold_run
 
 
 def _label(path: Path, taken: set[str]) -> str:
@@ -142,6 +142,8 @@ def collapse_report_cmd(
     dev = pick_device(device)
     dd = init_distributed(dev)  # under torchrun: the evaluation sequences are sharded over the ranks
     check_same_device(dev)
+    for p in runs:
+        hold_run(p)  # shared: train --force cannot move a run aside until its report is written
     measured = []
     with console.progress(quiet) as bar:
         for p, label in zip(runs, labels, strict=True):

@@ -20,6 +20,7 @@ def guarded(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        held = len(_HELD)
         try:
             return fn(*args, **kwargs)
         except (typer.Exit, typer.Abort, TyperException):  # usage errors: Click's message, exit 2
@@ -40,6 +41,9 @@ def guarded(fn: Callable) -> Callable:
                 raise
             error_line(e)
             raise typer.Exit(1) from None
+        finally:
+            while len(_HELD) > held:  # the shared locks this command took (hold_run)
+                _HELD.pop().unlock()
 
     return wrapper
 
@@ -49,3 +53,18 @@ def os_error_line(e: OSError) -> CemtoolError:
     cause = e.strerror or str(e) or type(e).__name__
     where = f": {e.filename}" if e.filename else ""
     return CemtoolError(f"{cause}{where}" + (f" -> {e.filename2}" if e.filename2 else ""))
+
+
+_HELD: list = []  # the runs whose shared lock a running command holds (see hold_run)
+
+
+def hold_run(path: Any) -> None:
+    """An analysis takes the run's shared lock before loading it and holds it until the command ends (released by
+    :func:`guarded`): several analyses may read a run at once, but ``train --force`` cannot move it aside
+    meanwhile (refused), and a run being trained is not measured (refused too). Nothing for a path that is not a
+    cemtool run (a Hugging Face model)."""
+    from cemtool.runs import lock_for_reading
+
+    run = lock_for_reading(path)
+    if run is not None:
+        _HELD.append(run)

@@ -10,7 +10,7 @@ import typer
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded
+from cemtool.cli.common import guarded, hold_run
 
 
 def _f(v, digits: int = 4) -> str:
@@ -88,6 +88,7 @@ def forgetting(
     quiet = quiet or not main
     recipe = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "min_lr_ratio": min_lr_ratio,
               "grad_clip": grad_clip}
+    hold_run(run)  # shared: train --force cannot move the source run aside while it is fine-tuned from
     with ProgressReporter(quiet) as rep:
         def progress(ev: dict) -> None:
             rep(ev)

@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded
+from cemtool.cli.common import guarded, hold_run
 from cemtool.errors import CemtoolError
 
 
@@ -104,6 +104,7 @@ def analyze(
     dev = pick_device(device)
     dd = init_distributed(dev)  # under torchrun: the evaluation windows are sharded over the ranks
     check_same_device(dev)
+    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
     loaded = load_run(run, checkpoint=checkpoint, device=dev, data=data)
     cfg = loaded.config
     T = cfg.data.seq_len

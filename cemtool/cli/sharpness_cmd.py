@@ -11,7 +11,7 @@ import typer
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded
+from cemtool.cli.common import guarded, hold_run
 from cemtool.errors import CemtoolError
 
 QUICK = dict(tokens=1024, top_k=3, bottom_k=1, lanczos_steps=20, trace_hvps=20, density_runs=1, density_steps=20,
@@ -230,6 +230,7 @@ def sharpness(
     if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
         raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
+    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
     loaded = load_run(run, checkpoint, device=dev, data=data)
     x, y = evaluation_set(loaded, tokens)
     arch = loaded.config.model.arch

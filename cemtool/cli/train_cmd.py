@@ -41,6 +41,9 @@ class ProgressReporter:
     def __call__(self, ev: dict) -> None:
         if ev["kind"] == "note":  # e.g. a corrupt checkpoint skipped on resume: shown even when quiet
             console.info(f"note: {ev['message']}")
+        if ev["kind"] == "resume":  # where a resumed run continues: shown even when quiet
+            console.info(f"resuming from step {ev['step']} ({ev['checkpoint']})" if ev["checkpoint"] else
+                         "resuming from step 0: the run has no step checkpoint yet")
         if self.quiet:
             return
         kind = ev["kind"]
@@ -194,7 +197,10 @@ def train(
     finally:
         if writer is not None:
             writer.unlock()
+    code = (143 if res.signal == "SIGTERM" else 130) if res.status == "interrupted" else 0  # 128 + the signal
     if rank != 0:
+        if code:
+            raise typer.Exit(code)
         return
     summary = {"run": str(writer.path), "status": res.status, "step": res.step, "tokens": res.tokens,
                "val_loss": res.val_loss, "val_bpb": res.val_bpb, "val_floor": res.val_floor,
@@ -209,4 +215,17 @@ def train(
         console.result(f"{res.status}: {writer.path}  step {res.step}  val loss {vl}{gap}  "
                        f"({res.seconds:.1f} s)")
     if res.status == "interrupted":
-        raise typer.Exit(130)
+        console.info(interrupted_line(res, writer.path))
+        raise typer.Exit(code)
+
+
+def interrupted_line(res, path: Path) -> str:
+    """Where an interrupted run stands: the step it stopped at, its newest checkpoint, where --resume continues."""
+    by = f" by {res.signal}" if res.signal else ""
+    if res.resume_step is None:
+        return (f"interrupted{by} at step {res.step}, before the first step checkpoint: cemtool train --resume "
+                f"{path} starts from step 0")
+    kept = f"checkpoint step_{res.resume_step:06d} written" if res.resume_step == res.step else \
+        f"the newest checkpoint is step_{res.resume_step:06d}"
+    return f"interrupted{by} at step {res.step}: {kept}; cemtool train --resume {path} continues from step " \
+           f"{res.resume_step}"
