@@ -12,7 +12,7 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError
 
 QUICK = dict(tokens=1024, top_k=3, bottom_k=1, lanczos_steps=20, trace_hvps=20, density_runs=1, density_steps=20,
              avg_samples=2, slice_points=7, slice_points_2d=5)
@@ -196,7 +196,7 @@ def sharpness(
         density_runs, density_steps = q.get("density_runs", density_runs), q.get("density_steps", density_steps)
         avg_samples = q.get("avg_samples", avg_samples)
     if tokens <= 0:
-        raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
+        raise UsageError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
     dd = init_distributed(dev)  # under torchrun: the evaluation tokens are sharded over the ranks
     check_same_device(dev)
