@@ -154,7 +154,7 @@ def _plot_reports(paths: list[Path], plots: Path, figures: dict, problems: list[
             plotter = PLOTTERS.get(report_kind(stem, rep) or "") or plotter_for(stem)  # any name (--name)
             if plotter is not None:
                 figures[stem] = _pngs(plotter(rep, plots, stem))
-            writer = section_writer(stem)
+            writer = section_writer(stem, rep)
             if writer is not None:
                 writer(rep)  # its numbers can be read too
         except ModuleNotFoundError as e:
