@@ -177,7 +177,7 @@ def sharpness(
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
+    from cemtool.analysis.sharpness import measure_sharpness, write_sharpness_report
     from cemtool.distributed import check_same_device, init_distributed
     from cemtool.runs import load_run, safe_name, to_json_value
     from cemtool.train import pick_device
@@ -202,7 +202,7 @@ def sharpness(
     check_same_device(dev)
     if backend == "pyhessian" and dd.world > 1:
         raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
-    opts = SharpnessOptions(  # validated before anything is loaded
+    opts = _options(  # validated before anything is loaded
         params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
         lanczos_steps=lanczos_steps, tol=tol,
         trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
@@ -213,10 +213,10 @@ def sharpness(
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
         slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory, hvp=hvp)
     if backend == "pyhessian" and hvp != "exact":
-        raise CemtoolError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
+        raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
                            hint="drop --hvp, or use --backend cemtool")
     if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
-        raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
+        raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
     loaded = load_run(run, checkpoint, device=dev, data=data)
     x, y = evaluation_set(loaded, tokens)
@@ -254,6 +254,18 @@ def sharpness(
                    + (f"  figures: {', '.join(str(p) for p in figures if p.suffix == '.png')}" if figures else ""))
     for note in rep.notes:
         console.result(f"note: {note}")
+
+
+def _options(**options):
+    """The measurement's options, every one from the command line: a value they refuse is a usage error (exit 2)."""
+    from cemtool.analysis.sharpness import SharpnessOptions
+
+    try:
+        return SharpnessOptions(**options)
+    except UsageError:
+        raise
+    except CemtoolError as e:
+        raise UsageError(e.message, hint=e.hint) from None
 
 
 def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_hvps, density_runs, density_steps,
