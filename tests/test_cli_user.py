@@ -4,6 +4,7 @@ report.md sections of named reports."""
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -13,6 +14,7 @@ from cemtool.cli.main import app
 from conftest import one_line_error
 
 runner = CliRunner()
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "demo"
 
 
 def invoke(*args, env=None):
@@ -77,11 +79,11 @@ def test_runs_lists_kind_and_data(tmp_path):
     """A fine-tune is listed as one, with the data its validation loss is on (its target), beside the runs."""
     from cemtool.runs import list_runs
 
-    rows = {os.path.basename(r["run"]): r for r in list_runs("sample_runs/demo")}
+    rows = {os.path.basename(r["run"]): r for r in list_runs(SAMPLE)}
     assert rows["baseline-s0"]["kind"] == "train" and rows["baseline-s0"]["data"] == "grammar"
     assert rows["baseline-s0-ft-grammar-b"]["kind"] == "fine-tune"
     assert rows["baseline-s0-ft-grammar-b"]["data"] == "grammar-b"
-    res = invoke("runs", "sample_runs/demo")
+    res = invoke("runs", SAMPLE)
     assert res.exit_code == 0, res.output
     header = next(line for line in res.stdout.splitlines() if "run" in line and "kind" in line)
     assert [c.strip() for c in header.strip("┃ ").split("┃")][:5] == ["run", "kind", "arch", "seed", "data"]
@@ -172,8 +174,7 @@ def test_a_named_sharpness_report_has_its_numbers_and_settings_in_report_md(tmp_
     from cemtool.plots.render import render_run
 
     run = tmp_path / "run"
-    src = "sample_runs/demo/baseline-s0"
-    shutil.copytree(src, run, ignore=shutil.ignore_patterns("plots", "report.md"))
+    shutil.copytree(SAMPLE / "baseline-s0", run, ignore=shutil.ignore_patterns("plots", "report.md"))
     rep = json.loads((run / "reports" / "sharpness.json").read_text())
     (run / "reports" / "mine.json").write_text(json.dumps(rep))
     render_run(run)

@@ -516,3 +516,15 @@ def test_negative_curvature_larger_than_lambda_max_is_flagged(tmp_path, no_compu
     assert "|λ_min| = 3.0000 > λ_max = 1.0000" in negative_curvature_note({"top": [1.0], "bottom": [-3.0]})
     assert negative_curvature_note({"top": [3.0], "bottom": [-1.0]}) == ""
     assert negative_curvature_note({"top": [], "bottom": [-1.0]}) == ""
+
+
+def test_a_mistyped_report_name_gets_did_you_mean(tmp_path, no_compute):
+    """Issue 20 item 22: --sharpness sharpnes finds no report; the error (or the note) names the close one."""
+    for seed in range(2):
+        fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0, sharp=(1.0, -0.1, 1e-3))
+    with pytest.raises(CemtoolError) as e:
+        compare([tmp_path], names={"sharpness": "sharpnes"})
+    assert e.value.hint == "did you mean 'sharpness'?"
+    fake_run(tmp_path, "r2", "baseline", 2, 5.0, collapse=[(2.0, 0.5)])  # something to compare: a note instead
+    notes = compare([tmp_path], names={"sharpness": "sharpnes"})["notes"]
+    assert any("compare reads 'sharpnes': did you mean 'sharpness'?" in n for n in notes), notes

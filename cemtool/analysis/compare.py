@@ -90,7 +90,7 @@ import numpy as np
 import torch
 
 from cemtool.config import RunConfig, to_dict
-from cemtool.errors import CemtoolError, UsageError
+from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.models.registry import get_arch
 from cemtool.report import (
     SPREAD,
@@ -417,8 +417,9 @@ def collect(paths: list[str | Path], target: str | None = None, at_tokens: int |
     for kind in NAMED:
         others = sorted({n for r in records for n in r["other_reports"][kind]})
         if others:
-            notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'; choose "
-                         f"another with --{kind} NAME)")
+            close = did_you_mean(names[kind], others)
+            notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'"
+                         f"{': ' + close if close else ''}; choose another with --{kind} NAME)")
     return records, notes
 
 
@@ -465,11 +466,13 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
 
     missing = {name: [r["run"] for r in records if r["reports"][name] is None] for name in REPORTS}
     if all(len(missing[name]) == len(records) for name in REPORTS):
+        close = [c for kind in NAMED if (c := did_you_mean(chosen[kind], {n for r in records
+                                                                          for n in r["other_reports"][kind]}))]
         raise CemtoolError(f"no analysis reports found for the {len(records)} run(s): looked for "
                            f"reports/{chosen['sharpness']}.json, reports/{chosen['collapse']}.json and fine-tunes "
                            f"with reports/forgetting.json",
-                           hint="run cemtool sharpness / collapse-report / forgetting on them, or cemtool sweep "
-                                "--analyses sharpness,collapse,forgetting")
+                           hint=close[0] if close else "run cemtool sharpness / collapse-report / forgetting on "
+                                "them, or cemtool sweep --analyses sharpness,collapse,forgetting")
     mismatch = settings_mismatch(records)
     for kind, diff in mismatch.items():
         text = f"the {kind} reports were measured with different settings: {mismatch_text(diff)}"
