@@ -24,7 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cemtool.errors import ConfigError
+from cemtool.errors import ConfigError, UsageError, did_you_mean
+
+
+class OverrideError(ConfigError, UsageError):
+    """A malformed ``--set`` item (not ``section.key=value``): a config error and a usage error (exit 2)."""
+
 
 SCHEMA_VERSION = 1
 
@@ -322,7 +327,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]}: known keys in "
-                          f"{prefix.rstrip('.') or 'the top level'} are {', '.join(fields)}")
+                          f"{prefix.rstrip('.') or 'the top level'} are {', '.join(fields)}",
+                          hint=did_you_mean(unknown[0], fields))
     kwargs = {}
     for name, value in data.items():
         f, tp, path = fields[name], hints[name], prefix + name
@@ -349,17 +355,17 @@ def merge(base: dict, override: dict) -> dict:
 def parse_override(item: str) -> dict:
     """'model.cem.steps=2' -> {'model': {'cem': {'steps': 2}}} (value parsed as JSON when possible)."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r} is not of the form section.key=value")
+        raise OverrideError(f"--set {item!r} is not of the form section.key=value")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"--set {item!r}: empty key")
+        raise OverrideError(f"--set {item!r}: empty key")
     try:
         value = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
     if is_section(key) and not isinstance(value, dict):
-        raise ConfigError(f"--set {key}: {key} is a config section and must be a table/object, got "
+        raise OverrideError(f"--set {key}: {key} is a config section and must be a table/object, got "
                           f"{type(value).__name__}", hint=f"set one of its fields, e.g. --set {key}.<field>=...")
     out: dict = {}
     node = out
@@ -370,11 +376,19 @@ def parse_override(item: str) -> dict:
     return out
 
 
+CONFIG_FORMATS = "TOML (named *.toml) or JSON (any other name); not YAML"
+
+
 def load_file(path: str | Path) -> dict:
-    """Read a TOML or JSON config file into a dict (not yet validated)."""
+    """Read a TOML (``*.toml``) or JSON (any other name) config file into a dict (not yet validated); YAML
+    (``*.yaml``, ``*.yml``) is refused with one line saying which formats are read."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {p} does not exist")
+    if p.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(f"config file {p} is YAML: cemtool reads config files in {CONFIG_FORMATS}",
+                          hint="write it as TOML (same keys: [model] d_model = 64) or JSON; `cemtool config` prints "
+                               "a resolved config as JSON")
     try:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
@@ -392,7 +406,8 @@ def load_file(path: str | Path) -> dict:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid JSON: {e.msg} at line {e.lineno}") from None
+            raise ConfigError(f"config file {p} is not valid JSON: {e.msg} at line {e.lineno}",
+                              hint=f"cemtool reads config files in {CONFIG_FORMATS}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a table/object at the top level")
     return data

@@ -24,10 +24,13 @@ from cemtool.runs import atomic_write_json, atomic_write_text, now, read_json, s
 
 def provenance(run_path: str | Path | None = None, *, seed: int | None = None, checkpoint: str | None = None,
                step: int | None = None, **extra: Any) -> dict:
-    """Where a report came from: the run, its checkpoint and step, the seed, versions and time; for a model cemtool
-    did not train, what was loaded and the check of its logits (``model_source.json``, cemtool.foreign)."""
+    """Where a report came from: the run, its checkpoint and step, the seed, versions and time, the CPU threads it
+    was measured with (``cpu``: :func:`cemtool.threads.threads_info`); for a model cemtool did not train, what was
+    loaded and the check of its logits (``model_source.json``, cemtool.foreign)."""
+    from cemtool.threads import threads_info
+
     out = {"run": None if run_path is None else str(run_path), "checkpoint": checkpoint, "step": step,
-           "seed": seed, "versions": versions(), "created": now()}
+           "seed": seed, "versions": versions(), "created": now(), "cpu": threads_info()}
     source = Path(run_path) / "model_source.json" if run_path is not None else None
     if source is not None and source.is_file():
         out["model_source"] = json.loads(source.read_text(encoding="utf-8"))
@@ -194,6 +197,9 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None, digits: i
 # --------------------------------------------------------------------------------------------------------------
 # groups of runs across seeds
 
+# the one spread of a group of runs over seeds, in tables, files and figures alike: the sample standard deviation
+# (ddof = 1), never the standard error (compare, plot, report.md)
+SPREAD = "mean ± std over seeds (sample standard deviation, ddof 1)"
 FAMILY_SECTIONS = ("cem", "momentum", "lime")  # config sections under "model" that only their own family reads
 
 

@@ -1023,7 +1023,22 @@ def list_runs(root: str | Path) -> list[dict]:
         if status == "stopped":
             notes.insert(0, "meta.json says running but no process holds the run (killed?): resume it with "
                             f"cemtool train --resume {p}")
-        rows.append({"run": str(p), "arch": cfg.model.arch, "status": status,
-                     "step": meta.get("step"), "val_loss": evals[-1]["val_loss"] if evals else None,
+        rows.append({"run": str(p), "arch": cfg.model.arch, "kind": run_kind(meta),
+                     "data": data_name(cfg.data.source), "status": status, "step": meta.get("step"),
+                     "val_loss": evals[-1]["val_loss"] if evals else None,
                      "floor": evals[-1].get("val_floor") if evals else None, "seed": cfg.seed, "notes": notes})
     return rows
+
+
+def run_kind(meta: dict) -> str:
+    """What made a run: ``train``, ``fine-tune`` (cemtool forgetting: its validation loss is on the target data) or
+    the ``kind`` meta.json records (e.g. an imported model)."""
+    kind = meta.get("kind")
+    if meta.get("parent") is not None or kind == "forgetting":
+        return "fine-tune"
+    return kind if isinstance(kind, str) and kind else "train"
+
+
+def data_name(source: str) -> str:
+    """A data source as a short column: a built-in name as it is, a path as its last part."""
+    return (Path(source).name or source) if "/" in source else source

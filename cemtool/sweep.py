@@ -67,7 +67,7 @@ import torch
 
 from cemtool.config import RunConfig, is_section, parse_override, resolve, to_dict
 from cemtool.config import replace as replace_config
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError, did_you_mean, known_hint
 from cemtool.runs import Run, atomic_write_json, create_run, is_run, now, open_lock_file, open_run, read_json
 
 Callback = Callable[[dict], None]
@@ -121,10 +121,10 @@ def _split_list(value: str | list | tuple, what: str, plural: str) -> list[str]:
     items = [s.strip() for s in value.split(",")] if isinstance(value, str) else [str(s).strip() for s in value]
     items = [s for s in items if s]
     if not items:
-        raise CemtoolError(f"no {plural} given", hint="list at least one, comma-separated")
+        raise UsageError(f"no {plural} given", hint="list at least one, comma-separated")
     dup = sorted({s for s in items if items.count(s) > 1})
     if dup:
-        raise CemtoolError(f"{what} {dup[0]!r} is listed twice")
+        raise UsageError(f"{what} {dup[0]!r} is listed twice")
     return items
 
 
@@ -133,10 +133,10 @@ def parse_seeds(seeds: str | list) -> list[int]:
     try:
         seeds = [int(s) for s in seed_strs]
     except ValueError:
-        raise CemtoolError(f"seeds must be integers, got {','.join(seed_strs)}") from None
+        raise UsageError(f"seeds must be integers, got {','.join(seed_strs)}") from None
     dup = sorted({s for s in seeds if seeds.count(s) > 1})
     if dup:
-        raise CemtoolError(f"seed {dup[0]} is listed twice")
+        raise UsageError(f"seed {dup[0]} is listed twice")
     return seeds
 
 
@@ -179,7 +179,7 @@ def parse_grid(grid: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]
     out: list[tuple[str, list[str]]] = []
     for item in grid:
         if "=" not in item or not _override_key(item):
-            raise CemtoolError(f"--grid {item!r} is not of the form key=v1,v2,...",
+            raise UsageError(f"--grid {item!r} is not of the form key=v1,v2,...",
                                hint="e.g. --grid train.lr=1e-3,3e-3")
         key, raw = _override_key(item), item.split("=", 1)[1]
         if key in RESERVED or key == STEPS_KEY:
@@ -190,14 +190,14 @@ def parse_grid(grid: tuple[str, ...] | list[str]) -> list[tuple[str, list[str]]]
                                hint=f"grid one of its fields, e.g. --grid {key}.<field>=v1,v2 (cemtool config "
                                     f"--fields lists them)")
         if key in [k for k, _ in out]:
-            raise CemtoolError(f"--grid {key} is given twice", hint="list all its values in one --grid")
+            raise UsageError(f"--grid {key} is given twice", hint="list all its values in one --grid")
         values = _split_values(raw)
         if not values:
-            raise CemtoolError(f"--grid {key} lists no values")
+            raise UsageError(f"--grid {key} lists no values")
         parsed = [json.dumps(parse_override(f"{key}={v}"), sort_keys=True) for v in values]
         dup = [v for v, q in zip(values, parsed, strict=True) if parsed.count(q) > 1]
         if dup:
-            raise CemtoolError(f"--grid {key}: {' and '.join(map(repr, dup))} are the same value")
+            raise UsageError(f"--grid {key}: {' and '.join(map(repr, dup))} are the same value")
         out.append((key, values))
     return out
 
@@ -233,9 +233,9 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     chosen = _split_list(analyses, "analysis", "analyses") if analyses else []
     bad = [a for a in chosen if a not in ANALYSES]
     if bad:
-        raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=f"choose from {', '.join(ANALYSES)}")
+        raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=known_hint(bad[0], ANALYSES, "choose from"))
     if tokens is not None and tokens < 1:
-        raise CemtoolError(f"--tokens must be positive, got {tokens}")
+        raise UsageError(f"--tokens must be positive, got {tokens}")
     for o in overrides:
         key = _override_key(o)
         if key in RESERVED:
@@ -325,7 +325,7 @@ def check_data_source(data: str) -> None:
 
     if data not in sources() and not Path(data).expanduser().exists():
         raise CemtoolError(f"--data {data!r}: no such file or folder (and not a built-in source: "
-                           f"{', '.join(sources())})")
+                           f"{', '.join(sources())})", hint=did_you_mean(data, sources()))
 
 
 def _check_grid(grid, overrides, arch_overrides: dict, archs: list[str]) -> None:
@@ -357,7 +357,7 @@ def _check_options(options: dict, chosen: list[str]) -> None:
                                hint="add it to --analyses")
         bad = sorted(set(opts) - known[name])
         if bad:
-            raise CemtoolError(f"unknown {name} option {bad[0]!r}", hint=f"known: {', '.join(sorted(known[name]))}")
+            raise CemtoolError(f"unknown {name} option {bad[0]!r}", hint=known_hint(bad[0], known[name]))
         _check_option_values(name, opts)
 
 

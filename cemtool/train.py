@@ -25,7 +25,7 @@ from cemtool.analysis import curvature
 from cemtool.config import RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
 from cemtool.distributed import Dist, init_distributed, peer_failure, training_failed  # noqa: F401 (Dist: re-exported)
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError
 from cemtool.memory import available_memory, check_memory, count_params, memory_estimate, rough_params  # noqa: F401
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
@@ -51,7 +51,7 @@ def pick_device(device: str | None = None) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise CemtoolError(f"unknown device {device!r}", hint="use auto, cpu, cuda, cuda:N or mps") from None
+        raise UsageError(f"unknown device {device!r}", hint="use auto, cpu, cuda, cuda:N or mps") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise CemtoolError(f"device {device!r} requested but CUDA is not available")
     if dev.type == "mps" and not torch.backends.mps.is_available():

@@ -374,9 +374,89 @@ def cases_state() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _env(**values: str) -> Callable[[], Callable[[], None]]:
+    """A patch that sets environment variables for one case (and its undo)."""
+    def install() -> Callable[[], None]:
+        old = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+
+        def undo() -> None:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return undo
+    return install
+
+
+def _twins(ws: Path, *args: str) -> list[str]:
+    """Two copies of the tiny run (the same seed), each with a minimal sharpness report, for ``compare``."""
+    for name in ("a", "b"):
+        shutil.copytree(ws / "run", ws / "twins" / name)
+        write(ws / "twins" / name / "reports" / "sharpness.json",
+              json.dumps({"tokens": 64, "eigen": {"top": [1.0], "bottom": [-0.1]}, "traces": []}))
+    return ["compare", str(ws / "twins"), "--out", str(ws / "out"), "--quiet", *args]
+
+
+def _sweep(ws: Path, *args: str) -> list[str]:
+    return ["sweep", "--archs", "baseline", "--out", str(ws / "out" / "study"), "-q", *args]
+
+
 def cases_user() -> list[Case]:
     """Cases of issue 20 items 17, 19, 20, 22, 24: a new user's inputs."""
-    out: list[Case] = []
+    cfg = {"yaml": "model:\n  d_model: 32\n", "toml": "[model]\nd_model = 32\n"}
+    out: list[Case] = [
+        # item 22: did you mean
+        Case("train: architecture typo (did you mean)", "22", lambda ws: _train(ws, "--arch", "tmn"),
+             words=("did you mean 'tmm'?",)),
+        Case("train: config key typo (did you mean)", "22", lambda ws: _train(ws, "--set", "model.d_modle=32"),
+             words=("did you mean 'd_model'?",)),
+        Case("train: config section typo (did you mean)", "22", lambda ws: _train(ws, "--set", "trian.lr=1e-3"),
+             words=("did you mean 'train'?",)),
+        Case("train: data source typo (did you mean)", "22", lambda ws: _train(ws, "--data", "grammer"),
+             words=("did you mean 'grammar'?",)),
+        Case("sweep: data source typo (did you mean)", "22", lambda ws: _sweep(ws, "--data", "pydco"),
+             words=("did you mean 'pydoc'?",)),
+        Case("sweep: analysis typo (did you mean)", "22", lambda ws: _sweep(ws, "--analyses", "sharpnes"),
+             words=("did you mean 'sharpness'?",)),
+        Case("sweep: analysis option typo (did you mean)", "22",
+             lambda ws: _sweep(ws, "--analyses", "collapse", "-A", "collapse.tokns=5"), words=("did you mean",)),
+        # item 22: config formats
+        Case("train: a YAML config", "22", lambda ws: _train(ws, "--config", write(ws / "c.yaml", cfg["yaml"])),
+             words=("is YAML", "TOML")),
+        Case("train: a .yml config", "22", lambda ws: _train(ws, "--config", write(ws / "c.yml", cfg["yaml"])),
+             words=("is YAML",)),
+        Case("config: a YAML config", "22", lambda ws: ["config", "--config", write(ws / "c.yaml", cfg["yaml"])],
+             words=("is YAML",)),
+        Case("train: TOML text in a .cfg file", "22",
+             lambda ws: _train(ws, "--config", write(ws / "c.cfg", cfg["toml"])),
+             words=("not valid JSON", "TOML (named *.toml)")),
+        # item 22: a bad option value is a usage error (exit 2), whoever refuses it
+        Case("train: --set without '=' (usage)", "22", lambda ws: _train(ws, "--set", "model.d_model")),
+        Case("train: --set of a whole section (usage)", "22", lambda ws: _train(ws, "--set", "model=3")),
+        Case("compare: --level 1.5 (usage)", "22", lambda ws: ["compare", str(ws / "run"), "--level", "1.5",
+                                                               "--out", str(ws / "out")]),
+        Case("compare: --at-tokens 0 (usage)", "22", lambda ws: ["compare", str(ws / "run"), "--at-tokens", "0",
+                                                                 "--out", str(ws / "out")]),
+        Case("sweep: --tokens 0 (usage)", "22", lambda ws: _sweep(ws, "--tokens", "0")),
+        Case("sweep: seeds not integers (usage)", "22", lambda ws: _sweep(ws, "--seeds", "0,x")),
+        Case("sweep: a seed listed twice (usage)", "22", lambda ws: _sweep(ws, "--seeds", "1,1")),
+        Case("sweep: --grid without values (usage)", "22", lambda ws: _sweep(ws, "--grid", "train.lr")),
+        Case("demo: a seed listed twice (usage)", "22",
+             lambda ws: ["demo", "--quick", "--seeds", "0,0", "--out", str(ws / "out" / "demo")]),
+        Case("sharpness: --tokens 0 (usage)", "22", lambda ws: _sharp(ws, "--tokens", "0")),
+        # item 17: threads
+        Case("--threads 0 (usage)", "17", lambda ws: ["--threads", "0", "archs"]),
+        Case("CEMTOOL_THREADS not a number (usage)", "17", lambda ws: ["archs"], patch=_env(CEMTOOL_THREADS="lots"),
+             words=("CEMTOOL_THREADS='lots'",)),
+        Case("CEMTOOL_THREADS=0 (usage)", "17", lambda ws: ["archs"], patch=_env(CEMTOOL_THREADS="0"),
+             words=("not a thread count",)),
+        # item 19: two runs of one seed
+        Case("compare --strict: two runs of one seed", "19", lambda ws: _twins(ws, "--strict"),
+             words=("share seed",)),
+        Case("compare: two runs of one seed are flagged", "19", _twins, expect="ok", words=("share seed",)),
+    ]
     return out
 
 

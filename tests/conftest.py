@@ -50,10 +50,14 @@ def tiny_run(tmp_path_factory, text_file) -> str:
                       extra=["data.tokenizer=byte", "data.val_fraction=0.1"])
 
 
-def one_line_error(res, *words):
-    """A CLI result that is one clean user error: exit 1, 'Error: ...' (+ an optional 'Hint:' line), no traceback."""
-    assert res.exit_code == 1, res.output
+def one_line_error(res, *words, code: int = 1):
+    """A CLI result that is one clean user error: exit 1 (``code``: 2 for a bad option value), 'Error: ...' (+ an
+    optional 'Hint:' line), no traceback."""
+    assert res.exit_code == code, res.output
     lines = [line for line in res.output.strip().splitlines() if line.strip()]
+    if code == 2:  # a usage error cemtool refuses itself: its line (+ hint), then the command's usage
+        assert lines[-1].startswith("Usage: "), res.output
+        lines = lines[:-1]
     assert lines[0].startswith("Error: ") and len(lines) <= 2, res.output  # message (+ hint)
     assert "Traceback" not in res.output and "internal error" not in res.output, res.output
     for w in words:

@@ -179,7 +179,7 @@ def test_val_loss_at_tokens(tmp_path):
     assert "last evaluation at or before 300 training tokens (at 300 tokens)" in res.stdout
     assert "at or before 300" in (tmp_path / "c" / "compare.md").read_text()
     res = runner.invoke(app(), ["compare", str(tmp_path), "--at-tokens", "0", "--out", str(tmp_path / "c")])
-    assert res.exit_code == 1 and res.output.startswith("Error: --at-tokens must be a positive")
+    assert res.exit_code == 2 and res.output.startswith("Error: --at-tokens must be a positive")  # a usage error
 
 
 def test_welch_flags_nearly_identical_values():
@@ -322,12 +322,12 @@ def test_bad_input_one_line(study, tmp_path):
     plain = fake_run(tmp_path / "plain", "r", "baseline", 0, 5.0)  # trained, never analysed
     cases = [(["compare", str(tmp_path / "nope")], "does not exist"),
              (["compare", str(tmp_path / "plain" / "r" / "reports")], "holds no runs"),
-             (["compare", str(study), "--level", "1.5"], "confidence level"),
              (["compare", str(plain)], "no analysis reports found for the 1 run(s)"),
              (["compare", str(study / "tmm-s0"), "--target", "pydoc"], "no analysis reports")]
-    for args, message in cases:
+    usage = [(["compare", str(study), "--level", "1.5"], "confidence level")]  # a bad option value: exit 2
+    for args, message in cases + usage:
         res = runner.invoke(app(), [*args, "--out", str(tmp_path / "o")])
-        assert res.exit_code == 1, (args, res.output)
+        assert res.exit_code == (2 if (args, message) in usage else 1), (args, res.output)
         assert res.output.startswith("Error:") and message in res.output.splitlines()[0], res.output
 
 
@@ -448,3 +448,83 @@ def test_tables_of_a_compare_json_written_before_bits_per_byte(tmp_path, no_comp
     cols, rows = arch_table(p)
     assert "val loss" in cols and "val bits/byte" not in cols
     assert flat_arch_rows(p)[0]["val_bpb_mean"] is None
+
+
+# ---------------------------------------------------------------------- issue 20 item 19: what a comparison flags
+
+
+def test_duplicate_seeds_are_flagged_and_refused_with_strict(tmp_path, no_compute):
+    """Two runs of one architecture with the same seed are a repeat, not two samples: the comparison says so (its
+    note, the group's duplicate_seeds, the runs cell) and --strict refuses it."""
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
+        fake_run(tmp_path, name, "baseline", seed, 5.0 + 0.1 * (name == "c"), sharp=(1.0, -0.1, 1e-3))
+    fake_run(tmp_path, "t", "tmm", 0, 5.0, sharp=(1.0, -0.1, 1e-3))
+    p = compare([tmp_path])
+    base = next(a for a in p["archs"] if a["label"] == "baseline")
+    assert base["n"] == 3 and base["seeds"] == [0, 0, 1] and base["duplicate_seeds"] == [0]
+    assert next(a for a in p["archs"] if a["label"] == "tmm")["duplicate_seeds"] == []
+    assert any(n.startswith("baseline: 2 runs share seed 0 (a, b)") for n in p["notes"]), p["notes"]
+    with pytest.raises(CemtoolError, match="share seed 0"):
+        compare([tmp_path], strict=True)
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert "3 (seed 0 x2)" in res.stdout and "note: baseline: 2 runs share seed 0" in res.stdout
+    assert "share seed 0" in (tmp_path / "o" / "compare.md").read_text()
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--strict", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and res.output.startswith("Error: baseline: 2 runs share seed 0")
+
+
+def test_one_spread_named_in_every_table(tmp_path, no_compute):
+    """The tables, compare.md and report.md name the one spread they show: the std over seeds (ddof 1)."""
+    from cemtool.plots.report_md import compare_section
+    from cemtool.report import SPREAD
+
+    for arch, seed in itertools.product(("baseline", "tmm"), range(2)):
+        fake_run(tmp_path, f"{arch}{seed}", arch, seed, 5.0 + 0.1 * seed, sharp=(1.0 + seed, -0.1, 1e-3))
+    p = compare([tmp_path])
+    assert "sample standard deviation" in SPREAD
+    res = runner.invoke(app(), ["compare", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0 and f"comparison of 4 runs ({SPREAD})" in res.stdout
+    assert SPREAD[1:] in (tmp_path / "o" / "compare.md").read_text() and SPREAD in compare_section(p)
+    lam = next(a for a in p["archs"] if a["label"] == "tmm")["lambda_max"]
+    assert lam["std"] == pytest.approx(np.std([1.0, 2.0], ddof=1))  # not / sqrt(n)
+
+
+def test_a_probe_at_its_ceiling_is_flagged(tmp_path, no_compute):
+    """A value probe at accuracy 1.000 in every layer of every run cannot tell architectures apart: a note says so
+    for that group only (and report.md's comparison section carries the comparison's notes)."""
+    from cemtool.plots.report_md import compare_section
+
+    for seed in range(2):
+        fake_run(tmp_path, f"b{seed}", "baseline", seed, 5.0, collapse=[(2.0 + seed, 1.0), (1.5, 1.0)])
+        fake_run(tmp_path, f"t{seed}", "tmm", seed, 5.0, collapse=[(2.0, 1.0), (1.5, 0.8 + 0.1 * seed)])
+    p = compare([tmp_path])
+    ceiling = [n for n in p["notes"] if "at its ceiling" in n]
+    assert len(ceiling) == 1 and ceiling[0].startswith("baseline: the value probe is at its ceiling"), p["notes"]
+    assert "at its ceiling" in compare_section(p)
+
+
+def test_negative_curvature_larger_than_lambda_max_is_flagged(tmp_path, no_compute):
+    """A sharpness report with |λ_min| > λ_max (not near a minimum) is named in a note, and its report.md section
+    says so; |λ_min| < λ_max says nothing."""
+    from cemtool.plots.report_md import negative_curvature_note
+
+    fake_run(tmp_path, "neg", "baseline", 0, 5.0, sharp=(1.0, -3.0, 1e-3))
+    fake_run(tmp_path, "pos", "baseline", 1, 5.0, sharp=(3.0, -1.0, 1e-3))
+    notes = [n for n in compare([tmp_path])["notes"] if "|λ_min| > λ_max" in n]
+    assert notes == [notes[0]] and "for 1 run(s) (neg)" in notes[0]
+    assert "|λ_min| = 3.0000 > λ_max = 1.0000" in negative_curvature_note({"top": [1.0], "bottom": [-3.0]})
+    assert negative_curvature_note({"top": [3.0], "bottom": [-1.0]}) == ""
+    assert negative_curvature_note({"top": [], "bottom": [-1.0]}) == ""
+
+
+def test_a_mistyped_report_name_gets_did_you_mean(tmp_path, no_compute):
+    """Issue 20 item 22: --sharpness sharpnes finds no report; the error (or the note) names the close one."""
+    for seed in range(2):
+        fake_run(tmp_path, f"r{seed}", "baseline", seed, 5.0, sharp=(1.0, -0.1, 1e-3))
+    with pytest.raises(CemtoolError) as e:
+        compare([tmp_path], names={"sharpness": "sharpnes"})
+    assert e.value.hint == "did you mean 'sharpness'?"
+    fake_run(tmp_path, "r2", "baseline", 2, 5.0, collapse=[(2.0, 0.5)])  # something to compare: a note instead
+    notes = compare([tmp_path], names={"sharpness": "sharpnes"})["notes"]
+    assert any("compare reads 'sharpnes': did you mean 'sharpness'?" in n for n in notes), notes

@@ -80,6 +80,28 @@ def test_timing_is_recorded(demo):
     assert timing["settings"]["archs"] == "baseline,tmm" and timing["settings"]["seeds"] == "0"
 
 
+def test_a_rerun_keeps_the_time_of_the_work(demo, tmp_path):
+    """Issue 20 item 20: the demo run again on its folder reuses its runs and reports; report.md and demo.json keep
+    the seconds of the run that did the work (not the 0.0 s of the reuse), and say which steps were reused."""
+    import shutil
+
+    out, _ = demo
+    first = json.loads((out / "reports" / "demo.json").read_text())
+    again = tmp_path / "demo"
+    shutil.copytree(out, again, symlinks=True)
+    res = invoke("demo", "--quick", "--seeds", "0", "--out", again, "--quiet", "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    assert "reused from an earlier run of the demo" in res.stdout
+    timing = json.loads((again / "reports" / "demo.json").read_text())
+    train, layers = timing["steps"][:2]
+    assert train["reused"] and layers["reused"] and not timing["steps"][2]["reused"]
+    assert train["wall_s"] == first["steps"][0]["wall_s"] and train["rerun_wall_s"] < train["wall_s"]
+    assert timing["total"]["wall_s"] == pytest.approx(sum(st["wall_s"] for st in timing["steps"]))
+    section = (again / "report.md").read_text().split("## How long the demo took")[1]
+    assert f"| {first['steps'][0]['wall_s']:.1f} |" in section
+    assert "(reused: measured by the run that did it)" in section
+
+
 def test_bad_input(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
@@ -90,7 +112,8 @@ def test_bad_input(tmp_path):
     one_line_error(invoke("demo", "--quick", "--out", busy), "is not a study directory")
     one_line_error(invoke("demo", "--quick", "--archs", "baseline,nope", "--out", tmp_path / "x"),
                    "unknown architecture 'nope'")
-    one_line_error(invoke("demo", "--quick", "--seeds", "zero", "--out", tmp_path / "y"), "seeds must be integers")
+    one_line_error(invoke("demo", "--quick", "--seeds", "zero", "--out", tmp_path / "y"), "seeds must be integers",
+                   code=2)  # a bad option value: a usage error (issue 20 item 22)
     assert not Path(tmp_path / "x").exists() and not Path(tmp_path / "y").exists()
 
 

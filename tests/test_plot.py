@@ -119,7 +119,8 @@ def test_line_styles_tell_runs_apart():
     assert not distinguishable(many)
 
 
-def test_compare_bars_are_mean_and_standard_error():
+def test_compare_bars_are_mean_and_the_tables_std():
+    """Issue 20 item 19: the figures' error bars are the tables' ± (std over seeds, ddof 1), not a standard error."""
     runs = [{"label": "a", "arch": "baseline", "seed": s, "val_loss": v, "val_floor": 3.0, "lambda_max": lm,
              "forgetting": None} for s, v, lm in ((0, 3.5, 10.0), (1, 3.7, 14.0), (2, 3.6, 12.0))]
     runs.append({"label": "b", "arch": "tmm", "seed": 0, "val_loss": 3.4, "val_floor": 3.0, "lambda_max": 5.0,
@@ -130,14 +131,14 @@ def test_compare_bars_are_mean_and_standard_error():
     by = {m["key"]: m for m in measures}
     gap_a = by["gap"]["values"][0]
     assert math.isclose(gap_a["mean"], 0.6) and gap_a["n"] == 3
-    assert math.isclose(gap_a["se"], np.std([0.5, 0.7, 0.6], ddof=1) / math.sqrt(3))
-    assert by["gap"]["values"][1]["se"] is None  # one run: no error bar
+    assert math.isclose(gap_a["std"], np.std([0.5, 0.7, 0.6], ddof=1)) and "se" not in gap_a
+    assert by["gap"]["values"][1]["std"] is None  # one run: no error bar
     assert math.isclose(by["lambda_max"]["values"][0]["mean"], 12.0)
     assert by["forgetting"]["values"][0] is None and by["forgetting"]["values"][1]["mean"] == 0.2
     assert "plasticity" not in by  # no run has it
 
 
-def test_training_groups_are_mean_and_standard_error(tmp_path):
+def test_training_groups_are_mean_and_std_over_seeds(tmp_path):
     from cemtool.plots.training import RunCurves, group_runs, plot_training_groups, training_groups_figure
 
     def run(name, arch, seed, vals, cfg=None):
@@ -159,9 +160,9 @@ def test_training_groups_are_mean_and_standard_error(tmp_path):
     assert list(line.get_xdata()) == [1000, 2000] and np.allclose(line.get_ydata(), [5.1, 4.2])
     gap = next(ln for ln in gx.get_lines() if ln.get_label().startswith("baseline[model.d_model=32]"))
     assert np.allclose(gap.get_ydata(), [2.1, 1.2]) and gx.get_yscale() == "log"
-    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # mean ± s.e. at the shared points
-    se = np.std([5.0, 5.2, 5.1], ddof=1) / math.sqrt(3)
-    assert np.isclose(band.max(), 5.1 + se) and np.isclose(band.min(), 4.2 - np.std([4.0, 4.4, 4.2], ddof=1) / 3 ** .5)
+    band = ax.collections[0].get_paths()[0].vertices[:, 1]  # mean ± std over seeds (as in the tables; item 19)
+    assert np.isclose(band.max(), 5.1 + np.std([5.0, 5.2, 5.1], ddof=1))
+    assert np.isclose(band.min(), 4.2 - np.std([4.0, 4.4, 4.2], ddof=1))
     assert line.get_label() == "baseline[model.d_model=32] (n=3)"
     import matplotlib.pyplot as plt
 
@@ -170,7 +171,7 @@ def test_training_groups_are_mean_and_standard_error(tmp_path):
     assert paths[0].read_bytes()[:8] == PNG_MAGIC
 
 
-def test_compare_layers_are_mean_and_standard_error(tmp_path):
+def test_compare_layers_are_mean_and_std_over_seeds(tmp_path):
     from cemtool.plots.compare import layer_measures, plot_compare_layers
 
     ent = {0: [2.0, 1.0], 1: [2.2, 1.4], 2: [2.1, 1.3]}
@@ -183,8 +184,7 @@ def test_compare_layers_are_mean_and_standard_error(tmp_path):
     a = m["value_entropy"][0]
     assert a["layers"] == [0, 1] and a["n"] == [3, 3]
     assert np.allclose(a["mean"], [2.1, 1.2 + 0.1 / 3])
-    assert np.allclose(a["se"], [np.std([2.0, 2.2, 2.1], ddof=1) / math.sqrt(3),
-                                 np.std([1.0, 1.4, 1.3], ddof=1) / math.sqrt(3)])
+    assert np.allclose(a["std"], [np.std([2.0, 2.2, 2.1], ddof=1), np.std([1.0, 1.4, 1.3], ddof=1)])
     assert [r["label"] for r in m["separability"]] == ["b"]  # only lime has it
     paths = plot_compare_layers(report, tmp_path)
     assert [p.name for p in paths] == ["compare_layers.png", "compare_layers.svg"]

@@ -160,6 +160,15 @@ def test_rerunning_a_finished_study_changes_nothing(interrupted, tmp_path):
     assert changed <= {str(out / "study.json"), str(out / ".lock")}
 
 
+# a bad option value refused on its own (its form, its range) is a usage error: exit 2 (issue 20 item 22)
+USAGE_ERRORS = ("no seeds given", "seeds must be integers", "listed twice", "is not of the form", "must be positive",
+                "is a config section", "is given twice", "are the same value")
+
+
+def usage_error(message: str) -> bool:
+    return any(u in message for u in USAGE_ERRORS)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--archs", "baseline,nope"], "unknown architecture 'nope'"),
     (["--archs", "baseline", "--seeds", ","], "no seeds given"),
@@ -193,7 +202,7 @@ def test_rerunning_a_finished_study_changes_nothing(interrupted, tmp_path):
 ])
 def test_bad_plan_one_line(args, message, tmp_path):
     res = runner.invoke(app(), ["sweep", *args, "--out", str(tmp_path / "s"), "-q"])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == (2 if usage_error(message) else 1), res.output
     assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
     assert not (tmp_path / "s").exists()
 
@@ -275,7 +284,7 @@ def test_bad_grid_one_line(grid, extra, message, tmp_path):
     args = ["sweep", "--archs", "baseline", *[a for g in grid for a in ("--grid", g)],
             *[a for s in [*TUNE, *extra] for a in ("--set", s)]]
     res = runner.invoke(app(), [*args, "--out", str(tmp_path / "s"), "-q"])
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == (2 if usage_error(message) else 1), res.output
     assert res.output.startswith("Error:") and message in res.output.splitlines()[0]
     assert not (tmp_path / "s").exists()
 

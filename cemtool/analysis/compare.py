@@ -34,7 +34,11 @@ Runs are grouped by their config without the seed and without the ``model.cem`` 
 ``model.lime`` sections of other families (which do not change the model; :func:`cemtool.report.run_settings`);
 the group is labelled by its architecture name, with the differing settings appended when two groups share an
 architecture (:func:`cemtool.report.group_labels`). Per group and metric: mean, standard
-deviation over seeds (ddof = 1) and n.
+deviation over seeds (ddof = 1) and n. That standard deviation is the one spread of a comparison (``SPREAD``): the
+tables, compare.md, report.md and the figures' error bars all show it, never a standard error. Flagged in a note
+(refused with ``strict``): two runs of one group with the same seed (a repeat, not a second sample; the group's
+``duplicate_seeds``). Flagged in a note: a group whose value probe is at its ceiling in every layer (it cannot tell
+architectures apart) and runs whose sharpness report has |λ_min| > λ_max.
 
 Correlations: Spearman's rank correlation (``scipy.stats.spearmanr``) across runs between forgetting and each of
 tr(H)/n and lambda_max (the momentum-streams paper reports 0.93 for tr(H)/n), with a two-sided p-value [decision:
@@ -63,7 +67,7 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                 "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null},
                 "settings": {"sharpness": {option: value}, "collapse": {...}},
                 "other_reports": {"sharpness": [name], "collapse": [name]}}],
-      "archs": [{"label", "arch", "n", "seeds": [int], "runs": [str],
+      "archs": [{"label", "arch", "n", "seeds": [int], "duplicate_seeds": [int], "runs": [str],
                  "<metric>": {"mean", "std", "n"} | null, ...,
                  "layers": [{"layer", "value_entropy": {"mean", "std", "n"} | null, "separability": ...}]}],
       "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note"}],
@@ -86,9 +90,10 @@ import numpy as np
 import torch
 
 from cemtool.config import RunConfig, to_dict
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.models.registry import get_arch
 from cemtool.report import (
+    SPREAD,
     csv_text,
     group_labels,
     markdown_table,
@@ -107,6 +112,7 @@ PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "trace_per_param"
 LAYER_METRICS = {"value_entropy": "H(values)", "separability": "probe(values)"}  # per layer, from collapse.json
 CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
 REPORTS = ("sharpness", "collapse", "forgetting")
+CEILING = 0.999  # a probe accuracy at or above this is at its ceiling
 NAMED = ("sharpness", "collapse")  # analyses whose report is chosen by name (``names``); forgetting: by target
 
 
@@ -411,8 +417,9 @@ def collect(paths: list[str | Path], target: str | None = None, at_tokens: int |
     for kind in NAMED:
         others = sorted({n for r in records for n in r["other_reports"][kind]})
         if others:
-            notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'; choose "
-                         f"another with --{kind} NAME)")
+            close = did_you_mean(names[kind], others)
+            notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'"
+                         f"{': ' + close if close else ''}; choose another with --{kind} NAME)")
     return records, notes
 
 
@@ -447,9 +454,9 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     which named sharpness / collapse reports to read. Reports measured with different settings are flagged
     (``mismatch`` and a note), or refused with ``strict``."""
     if not 0 < level < 1:
-        raise CemtoolError(f"the confidence level must be in (0, 1), got {level}")
+        raise UsageError(f"--level: the confidence level must be in (0, 1), got {level}")
     if at_tokens is not None and at_tokens < 1:
-        raise CemtoolError(f"--at-tokens must be a positive number of tokens, got {at_tokens}")
+        raise UsageError(f"--at-tokens must be a positive number of tokens, got {at_tokens}")
     for kind, name in (names or {}).items():
         if kind not in NAMED:
             raise CemtoolError(f"reports of {kind!r} are not chosen by name", hint=f"choose from {', '.join(NAMED)}")
@@ -459,11 +466,13 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
 
     missing = {name: [r["run"] for r in records if r["reports"][name] is None] for name in REPORTS}
     if all(len(missing[name]) == len(records) for name in REPORTS):
+        close = [c for kind in NAMED if (c := did_you_mean(chosen[kind], {n for r in records
+                                                                          for n in r["other_reports"][kind]}))]
         raise CemtoolError(f"no analysis reports found for the {len(records)} run(s): looked for "
                            f"reports/{chosen['sharpness']}.json, reports/{chosen['collapse']}.json and fine-tunes "
                            f"with reports/forgetting.json",
-                           hint="run cemtool sharpness / collapse-report / forgetting on them, or cemtool sweep "
-                                "--analyses sharpness,collapse,forgetting")
+                           hint=close[0] if close else "run cemtool sharpness / collapse-report / forgetting on "
+                                "them, or cemtool sweep --analyses sharpness,collapse,forgetting")
     mismatch = settings_mismatch(records)
     for kind, diff in mismatch.items():
         text = f"the {kind} reports were measured with different settings: {mismatch_text(diff)}"
@@ -480,17 +489,29 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
         if unknown:
             notes.append(f"{name} is null for {len(unknown)} run(s) whose sharpness report has no such eigenvalue "
                          f"(measured with {flag} 0): {', '.join(unknown)}")
+    notes += curvature_notes(records)
     labels = list(dict.fromkeys(r["label"] for r in records))
     archs = []
     for label in labels:
         rs = [r for r in records if r["label"] == label]
         row = {"label": label, "arch": rs[0]["arch"], "n": len(rs), "seeds": sorted(r["seed"] for r in rs),
                "runs": [r["run"] for r in rs]}
+        row["duplicate_seeds"] = sorted({s for s in row["seeds"] if row["seeds"].count(s) > 1})
+        if row["duplicate_seeds"]:
+            text = duplicate_seed_text(label, rs, row["duplicate_seeds"])
+            if strict:
+                raise CemtoolError(text, hint="compare runs of distinct seeds, or compare without --strict to see "
+                                              "them flagged")
+            notes.append(text)
         for m in METRICS:
             row[m] = summary([r[m] for r in rs if r[m] is not None])
         row["layers"] = [{"layer": layer, **{m: summary(_layer_values(rs, layer, m)) for m in LAYER_METRICS}}
                          for layer in _layer_ids(rs)]
         archs.append(row)
+        if _at_ceiling(row):
+            notes.append(f"{label}: the value probe is at its ceiling (accuracy ≥ {CEILING} in every layer of every "
+                         f"run): it separates the classes perfectly, so it cannot tell these architectures apart "
+                         f"(choose harder classes: collapse-report --words)")
     correlations = []
     for x, y in CORRELATE:
         pairs = [(r[x], r[y]) for r in records if r[x] is not None and r[y] is not None]
@@ -508,6 +529,31 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             "metrics": METRICS, "reports": chosen, "runs": records, "archs": archs, "correlations": correlations,
             "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "mismatch": mismatch,
             "notes": notes}
+
+
+def duplicate_seed_text(label: str, runs: list[dict], seeds: list[int]) -> str:
+    """The note on a group that holds two runs of one seed (the same experiment twice, not two samples)."""
+    twice = [Path(r["run"]).name for r in runs if r["seed"] in seeds]
+    return (f"{label}: {len(twice)} runs share seed {', '.join(map(str, seeds))} ({', '.join(twice[:6])}): repeats "
+            f"of one seed are not independent samples, yet its n, its ± std and its intervals count each run")
+
+
+def _at_ceiling(arch_row: dict) -> bool:
+    """Every layer's value-probe accuracy is at its ceiling in every run of the group."""
+    layers = [e["separability"] for e in arch_row.get("layers") or [] if e.get("separability")]
+    return bool(layers) and all(s["mean"] >= CEILING and not s["std"] for s in layers)
+
+
+def curvature_notes(records: list[dict]) -> list[str]:
+    """A note on runs whose sharpness report has |λ_min| > λ_max: the largest curvature is negative, so λ_max is
+    not the Hessian's largest eigenvalue in magnitude (the weights are not near a minimum of this loss)."""
+    neg = [Path(r["run"]).name for r in records if r.get("lambda_max") is not None and r.get("lambda_min")
+           is not None and abs(r["lambda_min"]) > abs(r["lambda_max"])]
+    if not neg:
+        return []
+    return [f"|λ_min| > λ_max for {len(neg)} run(s) ({', '.join(neg[:6])}{' ...' if len(neg) > 6 else ''}): the "
+            f"most negative curvature exceeds the most positive, so the weights are not near a minimum of the "
+            f"measured loss and λ_max alone understates the curvature"]
 
 
 def _pairs(labels: list[str], values_of, level: float) -> list[dict]:
@@ -544,7 +590,7 @@ def fmt_num(v: float | None, digits: int = 4) -> str:
 
 
 def cell(s: dict | None) -> str:
-    """'mean ± std' (the std omitted for one run or no spread), blank when missing."""
+    """'mean ± std' (:data:`SPREAD`; the std omitted for one run or no spread), blank when missing."""
     if s is None:
         return ""
     if not s["std"]:
@@ -559,12 +605,21 @@ def arch_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[
     present = [m for m in METRICS if any(a.get(m) is not None for a in payload["archs"])]
     if transpose:
         cols = ["", *[a["label"] for a in payload["archs"]]]
-        rows = [["runs", *[str(a["n"]) for a in payload["archs"]]]]
+        rows = [["runs", *[runs_cell(a) for a in payload["archs"]]]]
         rows += [[METRICS[m], *[cell(a.get(m)) for a in payload["archs"]]] for m in present]
         return cols, rows
     cols = ["arch", "n", *[METRICS[m] for m in present]]
-    rows = [[a["label"], str(a["n"]), *[cell(a.get(m)) for m in present]] for a in payload["archs"]]
+    rows = [[a["label"], runs_cell(a), *[cell(a.get(m)) for m in present]] for a in payload["archs"]]
     return cols, rows
+
+
+def runs_cell(arch_row: dict) -> str:
+    """The number of runs, and the seeds given more than once: ``3 (seed 0 twice)``."""
+    dup = arch_row.get("duplicate_seeds") or []
+    if not dup:
+        return str(arch_row["n"])
+    seeds = arch_row["seeds"]
+    return f"{arch_row['n']} ({', '.join(f'seed {s} x{seeds.count(s)}' for s in dup)})"
 
 
 def flat_arch_rows(payload: dict) -> list[dict]:
@@ -623,7 +678,8 @@ def val_loss_note(payload: dict) -> str:
 
 def markdown(payload: dict) -> str:
     cols, rows = arch_table(payload)
-    md = ["# Comparison", "", f"Mean ± std over seeds (n runs). Forgetting target: {payload['target'] or '-'}.", ""]
+    md = ["# Comparison", "", f"{SPREAD[0].upper()}{SPREAD[1:]} (n runs). Forgetting target: "
+                              f"{payload['target'] or '-'}.", ""]
     if payload.get("at_tokens") is not None:
         md += [val_loss_note(payload), ""]
     md += [markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
@@ -636,7 +692,7 @@ def markdown(payload: dict) -> str:
                                for p in payload["pairwise"]])]
     layer_cols, layer_rows = layer_table(payload)
     if layer_rows:
-        md += ["## Per layer (collapse report; mean ± std over seeds)", "",
+        md += [f"## Per layer (collapse report; {SPREAD})", "",
                markdown_table([dict(zip(layer_cols, r, strict=True)) for r in layer_rows], layer_cols)]
     if payload.get("pairwise_layers"):
         md += [f"## Per-layer differences (a - b, Welch t {payload['level']:.0%} intervals, no multiple-comparison "
@@ -666,5 +722,5 @@ def write_compare(payload: dict, out: str | Path) -> dict[str, Path]:
     return paths
 
 
-__all__ = ["LAYER_METRICS", "METRICS", "PAIRWISE", "arch_table", "collect", "compare", "layer_table", "run_compute",
-           "spearman", "val_loss_note", "welch", "write_compare"]
+__all__ = ["LAYER_METRICS", "METRICS", "PAIRWISE", "SPREAD", "arch_table", "collect", "compare", "layer_table",
+           "run_compute", "spearman", "val_loss_note", "welch", "write_compare"]

@@ -9,12 +9,13 @@ from typing import Any
 import typer
 from typer.exceptions import TyperException
 
-from cemtool.cli.console import DEBUG, error_line
-from cemtool.errors import CemtoolError
+from cemtool.cli.console import DEBUG, error_line, error_line_plain
+from cemtool.errors import CemtoolError, UsageError
 
 
 def guarded(fn: Callable) -> Callable:
-    """Turn cemtool errors into one line and exit 1; usage errors stay Click's (exit 2); Ctrl-C exits 130.
+    """Turn cemtool errors into one line and exit 1; usage errors stay Click's (exit 2), and so does a bad option
+    value cemtool refuses itself (:class:`cemtool.errors.UsageError`: one line, exit 2); Ctrl-C exits 130.
     An OSError that reaches here (a file that cannot be read or written) is a user error too: one line naming the
     path and the cause."""
 
@@ -27,6 +28,9 @@ def guarded(fn: Callable) -> Callable:
             raise
         except CemtoolError as e:
             error_line(e)
+            if isinstance(e, UsageError):
+                usage_line(getattr(fn, "command_name", fn.__name__.replace("_", "-")))
+                raise typer.Exit(2) from None
             raise typer.Exit(1) from None
         except OSError as e:
             if DEBUG:
@@ -46,6 +50,12 @@ def guarded(fn: Callable) -> Callable:
                 _HELD.pop().unlock()
 
     return wrapper
+
+
+def usage_line(command: str) -> None:
+    """After a :class:`UsageError`'s line: where the command's usage is, as Click's usage errors say."""
+    cmd = f"cemtool {command}" if command else "cemtool"
+    error_line_plain(f"Usage: {cmd} [OPTIONS] ...  (`{cmd} -h` lists them)")
 
 
 def os_error_line(e: OSError) -> CemtoolError:
@@ -68,3 +78,13 @@ def hold_run(path: Any) -> None:
     run = lock_for_reading(path)
     if run is not None:
         _HELD.append(run)
+
+
+def guarded_call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with :func:`guarded`'s error handling, for the app's own options (outside any
+    command: a usage error names ``cemtool -h``)."""
+    def call() -> Any:
+        return fn(*args, **kwargs)
+
+    call.command_name = ""  # type: ignore[attr-defined]
+    return guarded(call)()

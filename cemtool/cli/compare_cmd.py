@@ -29,17 +29,17 @@ def print_notes(payload: dict) -> None:
 
 
 def print_compare(payload: dict) -> None:
-    from cemtool.analysis.compare import METRICS, arch_table, layer_table, val_loss_note
+    from cemtool.analysis.compare import METRICS, SPREAD, arch_table, layer_table, val_loss_note
 
     if payload.get("at_tokens") is not None:
         console.result(val_loss_note(payload))
     cols, rows = arch_table(payload, transpose=True)
     target = f"; forgetting on {payload['target']}" if payload["target"] else ""
-    console.table(f"comparison of {len(payload['runs'])} runs (mean ± std over seeds{target})", cols, rows)
+    console.table(f"comparison of {len(payload['runs'])} runs ({SPREAD}{target})", cols, rows)
     cols, rows = layer_table(payload, transpose=True)  # one row per measure and layer: fits a terminal
     if rows:
-        console.table("per layer, from the collapse reports (mean ± std over seeds; per-layer differences with "
-                      "intervals in compare.md)", cols, rows)
+        console.table(f"per layer, from the collapse reports ({SPREAD}; per-layer differences with intervals in "
+                      f"compare.md)", cols, rows)
     corr = [[f"{METRICS[c['x']]} vs {METRICS[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
              str(c["n"]), c["note"] or ""] for c in payload["correlations"]]
     console.table("Spearman rank correlation across runs", ["pair", "rho", "p", "p from", "n", "note"], corr)
@@ -71,17 +71,19 @@ def compare(
                                            "reports/<NAME>.json (as written by sharpness --name)")] = "sharpness",
     collapse: Annotated[str, typer.Option("--collapse", help="the collapse report to read: reports/<NAME>.json (as "
                                           "written by collapse-report --name)")] = "collapse",
-    strict: Annotated[bool, typer.Option("--strict", help="refuse reports measured with different settings "
-                                                          "(default: compare them and flag the difference)")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="refuse reports measured with different settings and "
+                                                          "runs of one architecture that share a seed (default: "
+                                                          "compare them and flag it)")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no tables: print only the notes and the files "
                                                               "written")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
 ) -> None:
     """Compare architectures from their reports alone (no checkpoints): val loss (nats/token, bits/byte,
     perplexity), parameters, FLOPs/token, λ_max, λ_min, tr(H)/n, forgetting, plasticity, value entropy and
-    separability of the last layer and of every layer (mean ± std over seeds); Spearman correlations of sharpness
+    separability of the last layer and of every layer (mean ± std over seeds: the sample standard deviation, in
+    the tables and figures alike); Spearman correlations of sharpness
     with forgetting; pairwise differences with Welch intervals. Reports measured with different settings are
-    flagged (--strict: refused)."""
+    flagged (--strict: refused), and so are runs of one architecture that share a seed."""
     from cemtool.analysis.compare import compare as compare_runs
     from cemtool.analysis.compare import write_compare
 

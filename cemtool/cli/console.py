@@ -14,7 +14,8 @@ from rich.text import Text
 
 from cemtool.errors import CemtoolError
 
-# without a terminal (pipes, files, CI logs) rich would wrap tables at 80 columns; tables are wider than that
+# without a terminal (pipes, files, CI logs) rich would wrap tables at 80 columns; tables are wider than that (and
+# :func:`table` widens the console to a table's natural width, so that no row is ever folded)
 _WIDTH = None if sys.stdout.isatty() else 200
 # under torchrun only rank 0 prints results and progress; errors are printed by every rank (error_line)
 QUIET_RANK = int(os.environ.get("RANK", "0") or 0) > 0
@@ -39,6 +40,12 @@ def error_line(e: BaseException) -> None:
     sys.stderr.flush()
 
 
+def error_line_plain(text: str) -> None:
+    """A line on stderr as it is (after an error line: the usage of a command)."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def info(msg: str, quiet: bool = False) -> None:
     if not quiet:
         err.print(msg, markup=False)
@@ -59,13 +66,21 @@ def print_json(obj: Any) -> None:
 
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> None:
     """A table on stdout; every string is shown as it is (plain Text: no rich markup, so brackets in labels such as
-    ``baseline[model.mlp_hidden=224]`` survive)."""
+    ``baseline[model.mlp_hidden=224]`` survive). A table wider than the terminal (or than 200 columns without one)
+    is printed at its natural width, one line per row, never folded into the terminal's width: a terminal wraps
+    the long lines, ``less -S`` scrolls them, and a pipe gets whole rows."""
     t = Table(title=None if title is None else Text(title), show_lines=False)
     for c in columns:
-        t.add_column(Text(str(c)), overflow="fold")
+        t.add_column(Text(str(c)), overflow="fold", no_wrap=True)
     for r in rows:
         t.add_row(*[Text("" if v is None else str(v)) for v in r])
-    out.print(t)
+    natural = out.measure(t, options=out.options.update_width(100_000)).maximum
+    width = out.width
+    out.width = max(width, natural)  # Console.print(width=) can only narrow
+    try:
+        out.print(t)
+    finally:
+        out.width = width
 
 
 def progress(quiet: bool = False) -> Progress:

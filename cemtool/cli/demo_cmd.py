@@ -57,16 +57,18 @@ QUICK = {
 
 
 class Clock:
-    """Wall-clock and CPU (process) seconds of each step."""
+    """Wall-clock and CPU (process) seconds of each step; ``reused`` marks a step whose results were all there
+    already (a demo run again on its folder), so that its time is not taken for the time the work takes."""
 
     def __init__(self):
         self.steps: list[dict] = []
         self.wall0, self.cpu0 = time.perf_counter(), time.process_time()
 
-    def step(self, name: str, fn, *args, **kwargs):
+    def step(self, name: str, fn, *args, reused: bool = False, **kwargs):
         w, c = time.perf_counter(), time.process_time()
         result = fn(*args, **kwargs)
-        self.steps.append({"step": name, "wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c})
+        self.steps.append({"step": name, "wall_s": time.perf_counter() - w, "cpu_s": time.process_time() - c,
+                           "reused": reused})
         return result
 
     def total(self) -> dict:
@@ -155,16 +157,64 @@ def plot_step(out: Path, each_run: bool = True) -> tuple[list[Path], list[str]]:
     return render_all(out, problems, each_run=each_run), problems
 
 
+def timed_steps(steps: list[dict], previous: dict | None) -> list[dict]:
+    """This session's steps, a reused one (its results were there already) replaced by the time it took in the
+    session that did the work (``previous``: the demo.json written then), with this session's seconds beside it
+    (``rerun_wall_s``)."""
+    done = {st["step"]: st for st in (previous or {}).get("steps") or [] if isinstance(st, dict)
+            and isinstance(st.get("wall_s"), (int, float))}
+    out = []
+    for st in steps:
+        before = done.get(st["step"])
+        if st.get("reused") and before is not None:
+            out.append({**before, "reused": True, "rerun_wall_s": st["wall_s"],
+                        "measured": before.get("measured") or (previous.get("provenance") or {}).get("created")})
+        else:
+            out.append(st)
+    return out
+
+
 def write_timing(out: Path, clock: Clock, settings: dict, quick: bool) -> Path:
+    """reports/demo.json: the seconds of each step and in all. A step this session reused keeps the seconds of the
+    session that did it (:func:`timed_steps`); ``total`` is then their sum, and ``this_session`` what this session
+    took."""
     import os
 
     import torch
 
     from cemtool.report import provenance, write_report
+    from cemtool.runs import read_json
 
+    path = out / "reports" / "demo.json"
+    try:
+        previous = read_json(path, "demo timing") if path.is_file() else None
+    except CemtoolError:
+        previous = None
+    steps = timed_steps(clock.steps, previous if isinstance(previous, dict) else None)
+    session = clock.total()
+    total = session
+    if any(st.get("reused") for st in steps):
+        total = {k: sum(st[k] for st in steps) for k in ("wall_s", "cpu_s")}
     payload = {"provenance": provenance(out, command="demo", quick=quick), "threads": torch.get_num_threads(),
-               "cpu_count": os.cpu_count(), "steps": clock.steps, "total": clock.total(), "settings": settings}
+               "cpu_count": os.cpu_count(), "steps": steps, "total": total, "this_session": session,
+               "settings": settings}
     return write_report(out / "reports", "demo", payload)["json"]
+
+
+def all_done(out: Path, plan) -> bool:
+    """Every item of the demo's study (and its analyses) finished before this session: the study step reuses it."""
+    from cemtool.sweep import open_study
+
+    items = open_study(out, plan).manifest["items"]
+    return bool(items) and all(it["status"] == "completed" and all(a["status"] == "completed"
+                                                                   for a in it["analyses"].values()) for it in items)
+
+
+def layers_done(out: Path, manifest: dict) -> bool:
+    from cemtool.runs import open_run
+
+    return all((out / it["run"] / "reports" / f"sharpness-layer-{k}.json").exists()
+               for it in manifest["items"] for k in range(open_run(out / it["run"]).config().model.n_layer))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -202,9 +252,11 @@ def demo(
     console.info(f"demo folder: {out} ({len(plan.archs)} architectures x {len(plan.seeds)} seeds, {plan.tokens:,} "
                  f"tokens each on the grammar corpus)", quiet)
     console.info("step 1/4: train, sharpness, collapse report, forgetting (cemtool sweep)", quiet)
-    manifest = clock.step("train + sharpness + collapse + forgetting", study_step, out, plan, device, quiet)
+    manifest = clock.step("train + sharpness + collapse + forgetting", study_step, out, plan, device, quiet,
+                          reused=all_done(out, plan))
     console.info("step 2/4: curvature per layer (cemtool sharpness --params layer:N)", quiet)
-    clock.step("curvature per layer", layers_step, out, manifest, settings["layers"], device, quiet)
+    clock.step("curvature per layer", layers_step, out, manifest, settings["layers"], device, quiet,
+               reused=layers_done(out, manifest))
     console.info("step 3/4: compare (cemtool compare)", quiet)
     payload = clock.step("compare", compare_step, out)
     write_timing(out, clock, settings, quick)
@@ -213,6 +265,10 @@ def demo(
     timing = write_timing(out, clock, settings, quick)
     print_compare(payload)
     total = clock.total()
+    reused = [st["step"] for st in clock.steps if st["reused"]]
+    if reused:
+        console.result(f"reused from an earlier run of the demo in {out}: {'; '.join(reused)} (their times in "
+                       f"report.md are those of the run that did them)")
     figures = [p for p in written if p.suffix == ".png"]
     console.result(f"{len(figures)} figures (PNG + SVG) and {sum(p.name == 'report.md' for p in written)} report.md "
                    f"files; timing in {timing}")

@@ -18,8 +18,9 @@ def runs(
     root: Annotated[Path, typer.Argument(help="a run, or a folder searched for runs")] = Path("runs"),
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
-    """List runs with status, steps and last validation loss. A run marked running whose process is gone (killed)
-    shows as 'stopped'; unreadable lines of metrics.jsonl are skipped with a note."""
+    """List runs with what made them (kind: train, fine-tune), their data, status, steps and last validation loss
+    (on the run's own data: a fine-tune's is on its target data). A run marked running whose process is gone
+    (killed) shows as 'stopped'; unreadable lines of metrics.jsonl are skipped with a note."""
     from cemtool.runs import list_runs
 
     rows = list_runs(root)
@@ -27,9 +28,10 @@ def runs(
         console.print_json(rows)
         return
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else v  # noqa: E731
-    console.table(f"runs under {root}", ["run", "arch", "seed", "status", "step", "val loss", "floor"],
-                  [[r["run"], r.get("arch"), r.get("seed"), r["status"], r.get("step"), fmt(r.get("val_loss")),
-                    fmt(r.get("floor"))] for r in rows])
+    console.table(f"runs under {root} (val loss: on each run's own data)",
+                  ["run", "kind", "arch", "seed", "data", "status", "step", "val loss", "floor"],
+                  [[r["run"], r.get("kind"), r.get("arch"), r.get("seed"), r.get("data"), r["status"], r.get("step"),
+                    fmt(r.get("val_loss")), fmt(r.get("floor"))] for r in rows])
     for r in rows:
         for note in r.get("notes", []):
             console.info(f"note: {r['run']}: {note}")

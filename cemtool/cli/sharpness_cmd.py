@@ -12,7 +12,7 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded, hold_run
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError
 
 QUICK = dict(tokens=1024, top_k=3, bottom_k=1, lanczos_steps=20, trace_hvps=20, density_runs=1, density_steps=20,
              avg_samples=2, slice_points=7, slice_points_2d=5)
@@ -180,7 +180,7 @@ def sharpness(
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
+    from cemtool.analysis.sharpness import measure_sharpness, write_sharpness_report
     from cemtool.distributed import check_same_device, init_distributed
     from cemtool.runs import load_run, safe_name, to_json_value
     from cemtool.train import pick_device
@@ -199,13 +199,13 @@ def sharpness(
         density_runs, density_steps = q.get("density_runs", density_runs), q.get("density_steps", density_steps)
         avg_samples = q.get("avg_samples", avg_samples)
     if tokens <= 0:
-        raise CemtoolError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
+        raise UsageError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
     dev = pick_device(device)
     dd = init_distributed(dev)  # under torchrun: the evaluation tokens are sharded over the ranks
     check_same_device(dev)
     if backend == "pyhessian" and dd.world > 1:
         raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
-    opts = SharpnessOptions(  # validated before anything is loaded
+    opts = _options(  # validated before anything is loaded
         params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
         lanczos_steps=lanczos_steps, tol=tol,
         trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
@@ -225,10 +225,10 @@ def sharpness(
             raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
         check_per_layer(opts)
     if backend == "pyhessian" and hvp != "exact":
-        raise CemtoolError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
+        raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
                            hint="drop --hvp, or use --backend cemtool")
     if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
-        raise CemtoolError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
+        raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
     hold_run(run)  # shared: train --force cannot move the run aside until its report is written
     loaded = load_run(run, checkpoint, device=dev, data=data)
@@ -298,6 +298,18 @@ def _per_layer(loaded, x, y, opts, *, name: str, quiet: bool, json_: bool, main:
                   ["layer", "parameters", "λ_max", "converged", "tr(H)", "tr(H)/n", "HVPs"], rows)
     console.result(f"{len(layers)} layers in {time.perf_counter() - t0:.1f} s; seed {opts.seed}")
     console.result(f"report: {paths['json']}  table: {paths['csv']}, {paths['md']}")
+
+
+def _options(**options):
+    """The measurement's options, every one from the command line: a value they refuse is a usage error (exit 2)."""
+    from cemtool.analysis.sharpness import SharpnessOptions
+
+    try:
+        return SharpnessOptions(**options)
+    except UsageError:
+        raise
+    except CemtoolError as e:
+        raise UsageError(e.message, hint=e.hint) from None
 
 
 def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_hvps, density_runs, density_steps,

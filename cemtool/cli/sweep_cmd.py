@@ -11,7 +11,7 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError
 
 
 class SweepReporter:
@@ -190,7 +190,7 @@ def sweep(
         options: dict = {}
         for item in option or []:
             if "=" not in item or "." not in item.split("=", 1)[0]:
-                raise CemtoolError(f"--analysis-option {item!r} is not of the form analysis.key=value")
+                raise UsageError(f"--analysis-option {item!r} is not of the form analysis.key=value")
             options = merge(options, parse_override(item))
         if tuned is not None:  # tokens, data and --set default to the tuning study's
             plan, selection, notes = plan_from_tuning(tuned, seeds, archs=archs, tokens=tokens,

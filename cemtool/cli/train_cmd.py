@@ -102,8 +102,9 @@ class TrainCommand(TyperCommand):
 
         for p in self.params:
             if p.name == "data":
-                p.help = (f"{', '.join(repr(s) for s in sources())} (a registered source; default 'grammar'), or a "
-                          ".txt file / folder of .txt files")
+                p.help = (f"{', '.join(repr(s) for s in sources())} (a registered source; default 'grammar'), a "
+                          ".txt file / folder of .txt files, or token files (.bin, .npy, a folder with train.bin and "
+                          "val.bin)")
         return super().format_help(ctx, formatter)
 
 

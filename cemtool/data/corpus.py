@@ -27,7 +27,7 @@ import torch
 
 from cemtool.config import DataConfig
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe, word_tokenizer
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, did_you_mean
 
 CHUNK_BYTES = 1 << 20
 
@@ -237,7 +237,8 @@ def text_files(source: str) -> list[Path]:
     if not p.exists():
         kind = "a broken symbolic link" if p.is_symlink() else "neither a built-in source " \
             f"({', '.join(sources())}) nor an existing file or folder"
-        raise CemtoolError(f"data source {source!r} is {kind}")
+        raise CemtoolError(f"data source {source!r} is {kind}",
+                           hint=None if p.is_symlink() else did_you_mean(source, sources()))
     files = sorted(p.rglob("*.txt")) if p.is_dir() else [p]
     for f in files:
         if f.is_symlink() and not f.exists():

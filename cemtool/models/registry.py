@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, known_hint
 from cemtool.memory import check_memory
 
 FAMILY_MODULES = ["cemtool.models.baseline", "cemtool.models.cem", "cemtool.models.momentum",
@@ -53,7 +53,7 @@ def archs() -> dict[str, ArchSpec]:
 def get_arch(name: str) -> ArchSpec:
     _load()
     if name not in _ARCHS:
-        raise CemtoolError(f"unknown architecture {name!r}", hint=f"known: {', '.join(sorted(_ARCHS))}")
+        raise CemtoolError(f"unknown architecture {name!r}", hint=known_hint(name, _ARCHS))
     return _ARCHS[name]
 
 

@@ -4,8 +4,8 @@
   (reports/forgetting.json of the fine-tuned runs), forgetting and plasticity in the legend;
 - eigenvalues per layer: lambda_max, lambda_min and tr(H)/n of each layer's parameter block, from the
   ``cemtool sharpness --params layer:N`` reports (reports/sharpness-layer-N.json) of one or several runs;
-- comparison: per architecture and measure, the mean over seeds with its standard error and the single runs
-  (reports/compare.json).
+- comparison: per architecture and measure, the mean over seeds with error bars of ± one standard deviation over
+  seeds (the tables' ± std: :data:`cemtool.analysis.compare.SPREAD`) and the single runs (reports/compare.json).
 
 Colour = architecture (:func:`cemtool.plots.style.arch_color`) and line style = seed, as in the training curves.
 """
@@ -21,6 +21,7 @@ from matplotlib.ticker import MaxNLocator
 
 from cemtool.plots.style import arch_color, layer_axis, legend_below, new_figure, plain_numbers, save, variant_index
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES
+from cemtool.report import SPREAD
 
 # --------------------------------------------------------------------------------------------------------------
 # forgetting curves
@@ -154,11 +155,11 @@ N_MARKERS = "os^Dv<>"  # the runs' own points: one marker per evaluation token c
 
 def interval_figure(groups: list[dict], measures: list[dict], title: str = ""):
     """``groups``: [{"label", "arch"}] (one colour each); ``measures``: [{"name", "unit", "values":
-    [{"mean", "se", "n", "points": [...], "tokens": [...]}] aligned with groups}]. One panel per measure: the mean
-    as a large marker with its standard error, the individual runs as small dots beside it, n under each group.
-    The y axis spans the data (not zero), so that small differences are visible. Where a measure's runs were
-    evaluated on different token counts N (curvature depends on N), their dots get one marker per N and the panel
-    says so."""
+    [{"mean", "std", "n", "points": [...], "tokens": [...]}] aligned with groups}]. One panel per measure: the mean
+    as a large marker with ± one standard deviation over seeds, the individual runs as small dots beside it, n
+    under each group. The y axis spans the data (not zero), so that small differences are visible. Where a
+    measure's runs were evaluated on different token counts N (curvature depends on N), their dots get one marker
+    per N and the panel says so."""
     n = len(measures)
     ncols = min(3, n)
     nrows = (n + ncols - 1) // ncols
@@ -183,7 +184,7 @@ def interval_figure(groups: list[dict], measures: list[dict], title: str = ""):
             for dx, y, t in zip(jitter, pts, toks, strict=True):
                 mk = N_MARKERS[ns.index(t) % len(N_MARKERS)] if mixed and t in ns else "."
                 ax.plot(i + 0.2 + dx, y, ls="none", marker=mk, color="0.25", ms=4 if mk == "." else 3.5)
-            ax.errorbar(i, v["mean"], yerr=v.get("se"), color=color, marker="o", ms=8, capsize=4, lw=1.6,
+            ax.errorbar(i, v["mean"], yerr=v.get("std"), color=color, marker="o", ms=8, capsize=4, lw=1.6,
                         mec=color, mfc=color if fills[i] == "full" else "white", fillstyle=fills[i])
         ticks = [f"{g['label']} (n={v['n'] if v else 0})" if crowded else f"{g['label']}\n(n={v['n'] if v else 0})"
                  for g, v in zip(groups, m["values"], strict=True)]
@@ -236,8 +237,9 @@ def _run_value(run: dict, metric: str) -> float | None:
 
 
 def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
-    """Groups and measures of a compare.json: per architecture, mean and standard error (std / sqrt(n)) of each
-    metric over its runs, the runs' own values and, for the curvatures, the token count N each was measured on."""
+    """Groups and measures of a compare.json: per architecture, mean and standard deviation over seeds (ddof 1, as
+    in the tables) of each metric over its runs, the runs' own values and, for the curvatures, the token count N
+    each was measured on."""
     groups = [{"label": a["label"], "arch": a["arch"]} for a in report["archs"]]
     has_floor = all(r.get("val_floor") is not None for r in report["runs"])
     measures = []
@@ -249,8 +251,8 @@ def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
             if not pts:
                 values.append(None)
                 continue
-            se = float(np.std(pts, ddof=1) / np.sqrt(len(pts))) if len(pts) > 1 else None
-            values.append({"mean": float(np.mean(pts)), "se": se, "n": len(pts), "points": pts,
+            std = float(np.std(pts, ddof=1)) if len(pts) > 1 else None
+            values.append({"mean": float(np.mean(pts)), "std": std, "n": len(pts), "points": pts,
                            "tokens": [r.get(TOKENS_OF[m]) for r in runs] if m in TOKENS_OF else None})
         if any(v is not None for v in values):
             measures.append({"key": m, "name": TITLES[m], "unit": UNITS[m], "values": values})
@@ -306,7 +308,8 @@ LAYER_TITLES = {"value_entropy": ("value entropy per layer", "Rényi entropy (na
 
 
 def layer_measures(report: dict) -> dict[str, list[dict]]:
-    """Per collapse measure, per architecture: the layers, the mean and standard error over runs at each layer
+    """Per collapse measure, per architecture: the layers, the mean and standard deviation (ddof 1) over runs at each
+    layer
     (from the runs' ``layers`` of a compare.json)."""
     out: dict[str, list[dict]] = {}
     for m in LAYER_TITLES:
@@ -324,7 +327,7 @@ def layer_measures(report: dict) -> dict[str, list[dict]]:
                 pts = [by_layer[k] for k in layers]
                 rows.append({"label": a["label"], "arch": a["arch"], "layers": layers,
                              "mean": [float(np.mean(p)) for p in pts],
-                             "se": [float(np.std(p, ddof=1) / np.sqrt(len(p))) if len(p) > 1 else 0.0 for p in pts],
+                             "std": [float(np.std(p, ddof=1)) if len(p) > 1 else 0.0 for p in pts],
                              "n": [len(p) for p in pts]})
         if rows:
             out[m] = rows
@@ -332,8 +335,9 @@ def layer_measures(report: dict) -> dict[str, list[dict]]:
 
 
 def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compare_layers") -> list[Path]:
-    """Value entropy and separability against depth: one line per architecture, mean over seeds with standard
-    error bars (the collapse reports' per-layer numbers, as in compare.md's per-layer table)."""
+    """Value entropy and separability against depth: one line per architecture, mean over seeds with error bars of
+    ± one standard deviation over seeds (the collapse reports' per-layer numbers, as in compare.md's per-layer
+    table)."""
     measures = layer_measures(report)
     if not measures:
         return []
@@ -342,7 +346,7 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
         styles = variant_index([row["arch"] for row in rows])  # groups of one architecture: line styles
         for k, row in enumerate(rows):
             shift = (k - (len(rows) - 1) / 2) * 0.04  # small offsets so that error bars do not hide each other
-            ax.errorbar(np.array(row["layers"]) + shift, row["mean"], yerr=row["se"], color=arch_color(row["arch"]),
+            ax.errorbar(np.array(row["layers"]) + shift, row["mean"], yerr=row["std"], color=arch_color(row["arch"]),
                         ls=SEED_STYLES[styles[k] % len(SEED_STYLES)], marker="o", ms=4, capsize=3,
                         label=f"{row['label']} (n={max(row['n'])})")
         title, unit = LAYER_TITLES[m]
@@ -353,18 +357,18 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
         ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     legend_below(fig, handles, labels)
-    fig.suptitle("mean over seeds, error bars = standard error (std/√n)", fontsize=9)
+    fig.suptitle(f"{SPREAD}: error bars = ± one std", fontsize=9)
     return save(fig, plots_dir, name)
 
 
 def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> list[Path]:
-    """The comparison (one panel per metric, a mean with its standard error per architecture), the correlation
+    """The comparison (one panel per metric, a mean ± std over seeds per architecture), the correlation
     scatters and the per-layer collapse measures."""
     groups, measures = compare_measures(report)
     if not measures:
         return []
-    fig = interval_figure(groups, measures, f"{len(report['runs'])} runs: large markers = mean over seeds, error "
-                                            f"bars = standard error (std/√n), dots = single runs")
+    fig = interval_figure(groups, measures, f"{len(report['runs'])} runs: large markers and error bars = {SPREAD}, "
+                                            f"dots = single runs")
     return (save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
             + plot_compare_layers(report, plots_dir, f"{name}_layers"))
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cemtool.plots.training import RunCurves, label_runs, read_run
-from cemtool.report import fmt, markdown_table
+from cemtool.report import SPREAD, fmt, markdown_table
 from cemtool.runs import atomic_write_text
 
 # --------------------------------------------------------------------------------------------------------------
@@ -69,12 +69,13 @@ CAPTIONS = {
                   "falls = plasticity) along the fine-tune; dashed: entropy floors",
     "compare_correlations": "each run's forgetting against its curvature (tr(H)/n, λ_max); colour: architecture, "
                             "marker: seed; Spearman's rank correlation in the title",
-    "compare": "per architecture: the mean over seeds (large marker) with its standard error; dots: the individual "
-               "seeds; y axes span the data, not zero",
+    "compare": "per architecture: the mean over seeds (large marker) with error bars of ± one standard deviation "
+               "over seeds (the tables' ±); dots: the individual seeds; y axes span the data, not zero",
     "training_groups": "validation loss averaged over the seeds of each group of runs (band: ± one standard "
-                       "error)",
+                       "deviation over seeds)",
     "compare_layers": "value entropy and value separability against depth, one line per architecture: mean over "
-                      "seeds with standard-error bars (from the runs' collapse reports)",
+                      "seeds with error bars of ± one standard deviation over seeds (from the runs' collapse "
+                      "reports)",
     "saturation_sweep": "final validation loss against head size at a fixed budget H d_h, one line per sequence "
                         "length (error bars: s.e. over seeds; dashed: floor)",
 }
@@ -222,7 +223,27 @@ def sharpness_section(report: dict) -> str:
             f"{report['n_model_params']:,}), {o.get('dtype', 'fp32')}; {report.get('hvps', 0)} HVPs in "
             f"{fmt(report.get('seconds'), 3)} s. Eigenvalue errors are Lanczos error estimates; ± is a standard "
             f"error.\n")
-    return head + "\n" + markdown_table(rows)
+    return head + "\n" + markdown_table(rows) + negative_curvature_note(e) + settings_line(report)
+
+
+def negative_curvature_note(eigen: dict | None) -> str:
+    """A line when the most negative eigenvalue is larger in magnitude than the largest one."""
+    top, bottom = (eigen or {}).get("top") or [], (eigen or {}).get("bottom") or []
+    if not top or not bottom or abs(bottom[0]) <= abs(top[0]):
+        return ""
+    return (f"\n**Note: |λ_min| = {fmt(abs(bottom[0]))} > λ_max = {fmt(top[0])}**: the most negative curvature exceeds "
+            f"the most positive, so the weights are not near a minimum of this loss and λ_max alone understates the "
+            f"curvature.\n")
+
+
+def settings_line(report: dict) -> str:
+    """The settings a report was measured with (:func:`cemtool.report.report_options`), for a report's section."""
+    from cemtool.report import report_options
+
+    opts = {k: v for k, v in report_options(report).items() if v is not None}
+    if not opts:
+        return ""
+    return "\nSettings: " + ", ".join(f"`{k}={v}`" for k, v in sorted(opts.items())) + ".\n"
 
 
 def layers_section(reports: list[dict]) -> str:
@@ -293,18 +314,18 @@ def pyhessian_section(report: dict) -> str:
 
 
 def compare_section(report: dict) -> str:
-    """The comparison table (mean ± std over seeds), Spearman correlations and pairwise Welch intervals."""
+    """The comparison table (mean ± std over seeds), Spearman correlations, pairwise Welch intervals and the
+    comparison's notes (duplicate seeds, probes at their ceiling, |λ_min| > λ_max, settings that differ)."""
     from cemtool.analysis.compare import METRICS, arch_table, layer_table
 
     cols, rows = arch_table(report, transpose=True)
-    out = [f"{len(report['runs'])} runs; mean ± std over seeds"
+    out = [f"{len(report['runs'])} runs; {SPREAD}"
            + (f"; forgetting on `{report['target']}`" if report.get("target") else "") + ".\n",
            markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols)]
     cols, rows = layer_table(report)
     if rows:
-        out.append("Per layer, from the collapse reports (mean ± std over seeds; per-layer differences with "
-                   "intervals in `compare.md`):\n\n" + markdown_table([dict(zip(cols, r, strict=True)) for r in rows],
-                                                                       cols))
+        out.append(f"Per layer, from the collapse reports ({SPREAD}; per-layer differences with intervals in "
+                   f"`compare.md`):\n\n" + markdown_table([dict(zip(cols, r, strict=True)) for r in rows], cols))
     corr = [{"pair": f"{METRICS.get(c['x'], c['x'])} vs {METRICS.get(c['y'], c['y'])}", "Spearman rho": c["rho"],
              "p": c["p"], "p from": c["p_method"] or "", "n": c["n"], "note": c["note"] or ""}
             for c in report.get("correlations", [])]
@@ -317,19 +338,25 @@ def compare_section(report: dict) -> str:
         out.append("Pairwise differences (Welch t intervals over seeds):\n\n" + markdown_table(pw))
     miss = [f"- {name}: {len(runs)} run(s) without it\n" for name, runs in (report.get("missing") or {}).items()
             if runs]
-    return "\n".join(out) + ("\nMissing reports:\n\n" + "".join(miss) if miss else "")
+    notes = "".join(f"- {n}\n" for n in report.get("notes") or [])
+    return ("\n".join(out) + ("\nMissing reports:\n\n" + "".join(miss) if miss else "")
+            + ("\nNotes of the comparison:\n\n" + notes if notes else ""))
 
 
 def demo_section(report: dict) -> str:
     """``cemtool demo``'s own timing: wall-clock and CPU seconds per step, and the settings it passed."""
-    rows = [{"step": st["step"], "wall clock (s)": f"{st['wall_s']:.1f}", "CPU (s)": f"{st['cpu_s']:.1f}"}
-            for st in report["steps"]]
+    rows = [{"step": st["step"] + (" (reused: measured by the run that did it)" if st.get("reused") else ""),
+             "wall clock (s)": f"{st['wall_s']:.1f}", "CPU (s)": f"{st['cpu_s']:.1f}"} for st in report["steps"]]
     tot = report["total"]
     done = any(st["step"] == "plot" for st in report["steps"])
     rows.append({"step": "**total**" if done else "**total before drawing the figures**",
                  "wall clock (s)": f"{tot['wall_s']:.1f}", "CPU (s)": f"{tot['cpu_s']:.1f}"})
     st = report.get("settings") or {}
     later = "" if done else " The figures (the last step) are timed in `reports/demo.json` and in the demo's output."
+    if any(st.get("reused") for st in report["steps"]):
+        this = report.get("this_session") or {}
+        later += (f" The demo was run again on its folder: the steps marked reused kept the times of the run that did "
+                  f"them; the total is the sum of the steps; this last run took {this.get('wall_s', 0):.1f} s.")
     return (f"Measured on {report.get('cpu_count')} CPU core(s), {report.get('threads')} torch thread(s); CPU = "
             f"process time of all threads.{later}\n\n" + markdown_table(rows)
             + f"\nSettings: architectures `{st.get('archs')}`, seeds `{st.get('seeds')}`, {_int(st.get('tokens'))} "
@@ -371,24 +398,41 @@ SECTIONS: dict[str, Callable] = {"collapse": collapse_section, "collapse_compare
 
 
 def section_writer(stem: str, report: dict | list | None = None) -> Callable | None:
-    """The writer of a report stem: exact, else the longest known stem it starts with (``sharpness-attn``); a
-    per-layer sharpness report (its provenance says so) has its own, whatever its name."""
-    from cemtool.report import report_kind
-
-    if isinstance(report, dict) and report_kind(stem, report) == "sharpness_per_layer":
+    """The writer of a report stem: exact, else the longest known stem it starts with (``sharpness-attn``), else
+    the analysis the report holds whatever its name (``sharpness --name mine``: :func:`cemtool.report.report_kind`);
+    a per-layer sharpness report (its provenance says so) has its own, whatever its name."""
+    if _kind(stem, report) == "sharpness_per_layer":
         return SECTIONS["sharpness_per_layer"]
     if stem in SECTIONS:
         return SECTIONS[stem]
     keys = [k for k in SECTIONS if stem.startswith(k + "_") or stem.startswith(k + "-")]
-    return SECTIONS[max(keys, key=len)] if keys else None
+    if keys:
+        return SECTIONS[max(keys, key=len)]
+    kind = _kind(stem, report)
+    if kind == "sharpness" and str((report.get("options") or {}).get("params", "all")).startswith("layer:"):
+        return None  # a layer's report, under any name: its numbers are in the per-layer section
+    return SECTIONS.get(kind or "")
+
+
+def _kind(stem: str, report: dict | list | None) -> str | None:
+    from cemtool.report import report_kind
+
+    return report_kind(stem, report) if isinstance(report, dict) else None
+
+
+def section_title(stem: str, report: dict | list | None = None) -> str:
+    """``Curvature and sharpness`` for ``sharpness``; ``Curvature and sharpness (`mine`)`` for a report of that
+    analysis under another name."""
+    if stem in SECTION_TITLES:
+        return SECTION_TITLES[stem]
+    kind = stem.split("-")[0] if stem.split("-")[0] in SECTION_TITLES else _kind(stem, report)
+    return f"{SECTION_TITLES[kind]} (`{stem}`)" if kind in SECTION_TITLES else stem.replace("_", " ")
 
 
 def section(stem: str, report: dict | list | None, figs: list[Path], base: Path,
             source: Path | list[Path] | None = None) -> str:
     """``## Title``, the numbers (if a writer is known for this report), the figures, the source files."""
-    title = SECTION_TITLES.get(stem) or (f"{SECTION_TITLES[stem.split('-')[0]]} (`{stem}`)"
-                                         if stem.split("-")[0] in SECTION_TITLES else stem.replace("_", " "))
-    parts = [f"## {title}\n"]
+    parts = [f"## {section_title(stem, report)}\n"]
     writer = section_writer(stem, report)
     if writer is not None and report is not None:
         try:

@@ -231,18 +231,18 @@ def group_runs(runs: list[RunCurves], labels: dict[str, str | None] | None = Non
 
 
 def _mean_curve(runs: list[RunCurves], x_axis: str, floor: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x, mean and standard error over the runs of the validation loss (or its gap above the floor) at every
-    evaluation point that all runs share."""
+    """x, mean and standard deviation (ddof 1, :data:`cemtool.report.SPREAD`) over the runs of the validation loss
+    (or its gap above the floor) at every evaluation point that all runs share."""
     per_run = [{_x(v, x_axis): v["val_loss"] - (r.floor if floor else 0.0) for v in r.val} for r in runs]
     xs = sorted(set.intersection(*[set(d) for d in per_run]))
     ys = np.array([[d[x] for x in xs] for d in per_run])  # (runs, points)
-    se = ys.std(axis=0, ddof=1) / np.sqrt(len(runs)) if len(runs) > 1 else np.zeros(len(xs))
-    return np.array(xs), ys.mean(axis=0), se
+    std = ys.std(axis=0, ddof=1) if len(runs) > 1 else np.zeros(len(xs))
+    return np.array(xs), ys.mean(axis=0), std
 
 
 def training_groups_figure(groups: dict[str, list[RunCurves]], x_axis: str = "tokens"):
-    """Validation loss per group of runs (mean over seeds, shaded ± one standard error), with the floor; the gap
-    above the floor on the right (log) when known. For studies with more seeds than line styles."""
+    """Validation loss per group of runs (mean over seeds, shaded ± one standard deviation over seeds), with the
+    floor; the gap above the floor on the right (log) when known. For studies with more seeds than line styles."""
     runs = [r for rs in groups.values() for r in rs if r.val]
     if not runs:
         raise CemtoolError("no validation curves to plot")
@@ -267,7 +267,7 @@ def training_groups_figure(groups: dict[str, list[RunCurves]], x_axis: str = "to
     for f in floors:
         ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
     _zoom(ax, runs, floors, train=False)
-    ax.set_title("validation loss: mean over seeds, band = ± standard error", fontsize=9)
+    ax.set_title("validation loss: mean over seeds, band = ± one std over seeds", fontsize=9)
     ax.set_ylabel("loss (nats/token)")
     if has_gap:
         gx = axes[0, 1]
