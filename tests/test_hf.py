@@ -647,3 +647,39 @@ def test_token_ids_need_no_tokenizer(hf_models, tmp_path, text_file):
     src = json.loads((d / "model_source.json").read_text())
     assert src["tokenizer"].startswith("token ids alone")
     one_line_error(invoke("sharpness", d, "--data", text_file, *QUICK), "no tokenizer files", "pretokenised ids")
+
+
+def test_reports_record_the_evaluation_data_and_saturation_advice_is_not_applicable(hf_models, tmp_path, text_file):
+    d = copy_model(hf_models["gpt_neox"], tmp_path / "neox")
+    res = invoke("saturation", d, "--data", text_file, "--tokens", 64, "--ranks", "0,2", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((d / "reports" / "saturation.json").read_text())
+    assert rep["provenance"]["model_source"]["data"]["source"] == text_file
+    assert rep["advice"]["applicable"] is False and rep["advice"]["why"].startswith("not applicable: per-layer")
+    assert not list((d / "reports").glob("*advice.toml"))  # no train command that cannot work
+    assert invoke("sharpness", d, *QUICK).exit_code == 0  # default data: pydoc
+    rep = json.loads((d / "reports" / "sharpness.json").read_text())
+    assert rep["provenance"]["model_source"]["data"]["source"] == "pydoc"
+
+
+def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_run):
+    """transformers' Llama keeps RMSNorm and softmax in float32 in a float64 model; GPT-2 and cemtool's own models
+    compute in float64. The error bounds of an fp64 analysis follow what is computed."""
+    import copy as copy_
+
+    from cemtool.analysis.hessian import forward_precision
+
+    x = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    for source, want in ((hf_models["llama"], torch.float32), (hf_models["gpt2"], torch.float64),
+                         (tiny_run, torch.float64)):
+        model = copy_.deepcopy(load_run(source).model).double()
+        assert forward_precision(model, x) == want, source
+        assert forward_precision(model.float(), x) == torch.float32
+    res = invoke("sharpness", hf_models["llama"], "--dtype", "fp64", "--tokens", 64, "--top-k", 1, "--bottom-k", 1,
+                 "--lanczos-steps", 30, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
+                 "--avg-rho", 0, "--landscape", "none", "--no-plots", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["computed_in"] == "float32" and any("computes partly in float32" in n for n in rep["notes"])
+    scale = max(abs(rep["eigen"]["top"][0]), abs(rep["eigen"]["bottom"][0]))
+    assert rep["eigen"]["rounding"] >= 10 * float(torch.finfo(torch.float32).eps) * scale  # not 1e-13

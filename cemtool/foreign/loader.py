@@ -381,11 +381,30 @@ def build_foreign(cfg):
     transformers = _transformers()
     from cemtool.foreign.adapter import ForeignLM
 
+    if cfg.heads or cfg.head_dims:  # e.g. saturation's allocation advice: its train command could not build it
+        raise CemtoolError(f"per-layer allocation (model.heads, model.head_dims) does not apply to {cfg.arch}: a "
+                           f"transformers architecture has one head count and size for every layer",
+                           hint="allocation advice needs a cemtool architecture")
     body = dict(_CONFIGS[cfg.arch])
     config = transformers.AutoConfig.for_model(body.pop("model_type"), **body)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                        trust_remote_code=False).float().eval()
     return ForeignLM(hf, family_adapters()[config.model_type], arch=cfg.arch)
+
+
+ADDED = "added by cemtool export (zero; the run has no such parameters)"
+
+
+def mark_added(model, names: list, spec: str) -> None:
+    """Tag the tensors ``cemtool export`` added (GPT-2's zero projection biases) with ``fixed`` (the reason):
+    curvature analyses leave fixed parameters out (cemtool.analysis.hessian.select_parameters), so an exported
+    run's Hessian, λ_max included, is the run's."""
+    own = dict(model.hf.named_parameters())
+    for name in names:
+        if not isinstance(name, str) or name not in own:
+            raise CemtoolError(f"{spec}: {EXPORT_FILE} lists an added parameter {str(name)[:100]!r} the model "
+                               f"does not have", hint="export the run again")
+        own[name].fixed = ADDED
 
 
 def read_export(path: Path) -> dict | None:
@@ -425,7 +444,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
-    from cemtool.config import RunConfig, replace
+    from cemtool.config import RunConfig, replace, to_dict
     from cemtool.foreign.adapter import ForeignLM
     from cemtool.runs import LoadedRun, Run, atomic_write_json
 
@@ -460,6 +479,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     hf = load_hf_model(path, config, spec)
     arch = register_arch(config.to_dict())
     model = ForeignLM(hf, fam, arch=arch)
+    mark_added(model, (record or {}).get("added_parameters") or [], spec)
     check = logits_check(model)
     if not check["passed"]:
         raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
@@ -473,7 +493,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
                  "tokenizer": "token ids alone (the data is pretokenised; the directory has no tokenizer)"
                  if tok.kind == "ids" else "the model's own",
-                 "logits_check": check, "config": config.to_dict(), "exported_from": record}
+                 "logits_check": check, "config": config.to_dict(), "exported_from": record,
+                 "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
     return LoadedRun(model, cfg, tok, run, weights[0], None)
