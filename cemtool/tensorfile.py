@@ -42,16 +42,17 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
-        head = f.read(8)
-        if head[:1] == b"\x80" or head[:2] == b"PK":
+        head = f.read(9)  # the header length (whose first byte may be 0x80 or 'P'), then the header's '{'
+        if head[8:9] != b"{" and (head[:1] == b"\x80" or head[:2] == b"PK"):
             raise BadTensorFile("it is a pickle/torch.save file, not safetensors: cemtool never unpickles files")
-        if len(head) < 8:
+        if len(head) < 9:
             raise BadTensorFile(f"{size} bytes: too short for a safetensors header")
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack("<Q", head[:8])
         if n > MAX_HEADER:
             raise BadTensorFile(f"header of {n:,} bytes exceeds the limit of {MAX_HEADER:,}")
         if 8 + n > size:
             raise BadTensorFile(f"header of {n:,} bytes is longer than the file ({size:,} bytes): truncated?")
+        f.seek(8)
         raw = f.read(n)
     if raw[:1] != b"{":
         raise BadTensorFile("the header is not a JSON object")

@@ -512,6 +512,7 @@ def test_hub_cache_links_into_its_blobs_load_and_a_link_out_of_the_cache_is_refu
     cache, snap = hub_cache(tmp_path, hf_models["gpt2"])
     offline_cache(monkeypatch, cache, tmp_path)
     assert load_run("hf:acme/tiny").model.describe()["layers"] == 2
+    assert load_run(snap).model.describe()["layers"] == 2  # the snapshot folder given as a directory
     outside = tmp_path / "elsewhere.json"
     outside.write_text((snap / "config.json").read_text())
     (snap / "config.json").unlink()
@@ -683,3 +684,18 @@ def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_r
     assert rep["computed_in"] == "float32" and any("computes partly in float32" in n for n in rep["notes"])
     scale = max(abs(rep["eigen"]["top"][0]), abs(rep["eigen"]["bottom"][0]))
     assert rep["eigen"]["rounding"] >= 10 * float(torch.finfo(torch.float32).eps) * scale  # not 1e-13
+
+
+@pytest.mark.parametrize("length", [0x80, 0x4B50])  # a first byte like a pickle's, first bytes like a zip's "PK"
+def test_a_valid_header_whose_length_looks_like_a_pickle_is_read(tmp_path, length):
+    from safetensors.torch import load_file
+
+    from cemtool.tensorfile import read_header
+
+    raw = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode()
+    raw += b" " * (length - len(raw))  # safetensors pads its header with spaces
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(safetensors_bytes(raw, b"\0" * 16))
+    assert f.read_bytes()[:2] in (b"\x80\x00", b"PK")
+    tensors, _ = read_header(f)
+    assert tensors["w"].shape == (2, 2) and load_file(f)["w"].shape == (2, 2)

@@ -230,8 +230,13 @@ MISMATCH_HINT = ("cemtool loads complete weights only (nothing is initialised af
 def check_loading(spec: str, info: dict) -> None:
     """Refuse weights that transformers had to complete or drop (its loading report): missing tensors would be
     freshly initialised, unexpected ones ignored, mis-shaped ones replaced."""
+    def shown(item) -> str:  # a name, or (name, shape in the file, shape of the model)
+        if isinstance(item, (tuple, list)) and len(item) == 3:
+            return f"{item[0]} {list(item[1])} for {list(item[2])}"
+        return str(item)
+
     def some(items) -> str:
-        items = sorted(str(i) for i in items)
+        items = sorted(shown(i) for i in items)
         return ", ".join(items[:5]) + (", ..." if len(items) > 5 else "")
 
     parts = [f"{len(info[k]):,} {what} ({some(info[k])})" for k, what in
@@ -461,7 +466,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).absolute())}
         if not path.is_dir():
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
-        check_links(path)
+        in_cache = path.parent.name == "snapshots" and path.parents[1].name.startswith("models--")
+        check_links(path, cache_repo=path.parents[1] if in_cache else None)  # a snapshot passed as a directory
         home = path
     refuse_remote_code(path)
     weights = check_files(path)
