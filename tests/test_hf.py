@@ -660,7 +660,12 @@ def test_reports_record_the_evaluation_data_and_saturation_advice_is_not_applica
     assert not list((d / "reports").glob("*advice.toml"))  # no train command that cannot work
     assert invoke("sharpness", d, *QUICK).exit_code == 0  # default data: pydoc
     rep = json.loads((d / "reports" / "sharpness.json").read_text())
-    assert rep["provenance"]["model_source"]["data"]["source"] == "pydoc"
+    assert rep["provenance"]["model_source"]["data"]["source"] == "pydoc" and rep["notes"] == []
+    res = invoke("sharpness", d, "--data", text_file, *QUICK[:-1])  # other data: the replacement is said
+    assert res.exit_code == 0 and "replaced sharpness.json, which was measured on other data ('pydoc'" in res.output
+    assert "replaced sharpness.json" in json.loads((d / "reports" / "sharpness.json").read_text())["notes"][0]
+    res = invoke("saturation", d, "--tokens", 64, "--ranks", "0,2", "--no-plots")
+    assert res.exit_code == 0 and f"which was measured on other data ({text_file!r}" in res.output, res.output
 
 
 def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_run):
