@@ -449,7 +449,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
-    from cemtool.config import RunConfig, replace, to_dict
+    from cemtool.config import RunConfig, to_dict
     from cemtool.foreign.adapter import ForeignLM
     from cemtool.runs import LoadedRun, Run, atomic_write_json
 
@@ -463,7 +463,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         home = Path("runs") / "hf" / re.sub(r"[^A-Za-z0-9_.@-]+", "--", spec[len("hf:"):])
         check_links(path, cache_repo=path.parents[1])  # <cache>/models--ORG--NAME/snapshots/<commit>
     else:
-        path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).absolute())}
+        path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).resolve())}
         if not path.is_dir():
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
         in_cache = path.parent.name == "snapshots" and path.parents[1].name.startswith("models--")
@@ -480,8 +480,6 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     found = read_headers(weights)
     check_size(spec, path, config, fam, found)
     record = read_export(path)
-    data_cfg = eval_data(record, data, seq_len, 1 << 30)
-    tok = model_tokenizer(path, record, data_cfg.source, int(config.vocab_size))
     hf = load_hf_model(path, config, spec)
     arch = register_arch(config.to_dict())
     model = ForeignLM(hf, fam, arch=arch)
@@ -492,7 +490,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                            f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
                            hint="report it with the model's config.json")
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
-    cfg = RunConfig(model=model.cfg, data=replace(data_cfg, seq_len=min(data_cfg.seq_len, model.max_seq_len)))
+    cfg = RunConfig(model=model.cfg, data=eval_data(record, data, seq_len, model.max_seq_len))
+    tok = model_tokenizer(path, record, cfg.data.source, model.cfg.vocab_size)
     described = {"source": spec, **where, "arch": arch, "model_type": config.model_type,
                  "architectures": list(getattr(config, "architectures", None) or []),
                  "weights": [w.name for w in weights], "transformers": _transformers().__version__,
