@@ -129,6 +129,20 @@ def check_memory(m: ModelConfig, device: str | torch.device = "cpu", *, batch_si
                             "try anyway)")
 
 
+def check_weights_memory(params: int, what: str, device: str | torch.device = "cpu") -> None:
+    """Refuse a model of ``params`` parameters whose float32 weights (4 bytes each, as :func:`memory_estimate`
+    counts them) cannot fit in the memory :func:`available_memory` reports, before it is built: for models whose
+    config is not cemtool's (cemtool.foreign counts their parameters). CEMTOOL_NO_MEMORY_CHECK=1 skips it."""
+    avail = available_memory(device)
+    if avail is None or os.environ.get("CEMTOOL_NO_MEMORY_CHECK", "") not in ("", "0"):
+        return
+    need = 4 * params
+    if need > avail:
+        raise CemtoolError(f"{what} has {params:,} parameters: its float32 weights need about {need / GIB:.2f} GiB "
+                           f"but {avail / GIB:.2f} GiB are available on {torch.device(device)}",
+                           hint="pick a smaller model (set CEMTOOL_NO_MEMORY_CHECK=1 to try anyway)")
+
+
 def curvature_memory_estimate(n_model: int, n_subset: int, dtype: torch.dtype, vectors: int) -> int:
     """Bytes for a curvature run, activations aside: a converted copy of the model, its gradient (with graph)
     and one HVP (3 x params x itemsize) plus ``vectors`` float64 basis vectors of the subset."""

@@ -81,6 +81,31 @@ def report_options(report: Any) -> dict:
     return out
 
 
+def _model_source_data(report: Any) -> dict | None:
+    prov = report.get("provenance") if isinstance(report, dict) else None
+    src = prov.get("model_source") if isinstance(prov, dict) else None
+    data = src.get("data") if isinstance(src, dict) else None
+    return data if isinstance(data, dict) else None
+
+
+def replaced_data_note(path: Path, run_path: Path) -> str | None:
+    """A note when writing the report ``path`` replaces one measured on other evaluation data than the model now
+    loaded from ``run_path`` (a Hugging Face model's reports record it: ``provenance.model_source.data``, from
+    ``model_source.json``), None otherwise."""
+    source = Path(run_path) / "model_source.json"
+    if not path.is_file() or not source.is_file():
+        return None
+    try:
+        data = _model_source_data({"provenance": {"model_source": read_json(source, "model source")}})
+        was = _model_source_data(read_json(path, "report"))
+    except CemtoolError:
+        return None
+    if data is None or was is None or was.get("source") == data.get("source"):
+        return None
+    return (f"replaced {path.name}, which was measured on other data ({was.get('source')!r}; now "
+            f"{data.get('source')!r}): --name keeps reports apart")
+
+
 @dataclass
 class NamedReport:
     """One ``reports/<name>.json``: its name, the analysis it holds, its settings, its content (None when it

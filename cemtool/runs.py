@@ -746,6 +746,8 @@ def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoin
     own 'cemtool_sha256', and a well-formed header); never unpickles."""
     from safetensors import safe_open
 
+    from cemtool.tensorfile import read_header
+
     path = Path(path)
     if not path.is_file():
         raise CemtoolError(f"checkpoint {path} does not exist")
@@ -754,6 +756,7 @@ def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoin
         raise CemtoolError(f"checkpoint {path} is corrupted (checksum mismatch)",
                            hint="use an earlier checkpoint or retrain")
     try:
+        read_header(path)  # the whole layout, checked from the header before safetensors parses it
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {k: f.get_tensor(k) for k in f.keys()}

@@ -178,9 +178,171 @@ def _bad_utf8_metrics(ws: Path) -> list[str]:
     return ["runs", str(ws / "run")]
 
 
+_HF_TEMPLATE: dict[str, Path] = {}
+
+
+def hf_dir(ws: Path, edit_config: dict | None = None) -> Path:
+    """A tiny random-weight Llama directory (as save_pretrained writes it, byte tokenizer) at ws/hf."""
+    if "llama" not in _HF_TEMPLATE:
+        import torch
+        import transformers
+
+        from cemtool.data.tokenizer import byte_tokenizer
+
+        d = Path(tempfile.mkdtemp(prefix="cemtool-hf-template-")) / "llama"
+        cfg = transformers.LlamaConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, intermediate_size=32, max_position_embeddings=16,
+                                       vocab_size=256, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+        transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer().hf).save_pretrained(d)
+        _HF_TEMPLATE["llama"] = d
+    d = ws / "hf"
+    shutil.copytree(_HF_TEMPLATE["llama"], d)
+    if edit_config:
+        raw = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**raw, **edit_config}))
+    return d
+
+
+def _hf_sharp(d: Path, *args: str) -> list[str]:
+    return ["sharpness", str(d), "--quick", "--no-plots", "--quiet", *args]
+
+
+def _auto_map(ws: Path, where: str) -> list[str]:
+    d = hf_dir(ws)
+    write(d / "configuration_evil.py", f"open({str(ws / 'outside' / 'EXECUTED')!r}, 'w')\n")
+    raw = json.loads((d / where).read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig", "AutoTokenizer": ["configuration_evil.T", None]}
+    (d / where).write_text(json.dumps(raw))
+    return _hf_sharp(d)
+
+
+def _not_executed(ws: Path) -> str | None:
+    return "the directory's Python ran" if (ws / "outside" / "EXECUTED").exists() else None
+
+
+def _hf_link(ws: Path, name: str, target: Path | None = None) -> list[str]:
+    d = hf_dir(ws)
+    if target is None:
+        target = ws / "outside" / name
+        shutil.copy(d / name, target)
+    (d / name).unlink()
+    (d / name).symlink_to(target)
+    return _hf_sharp(d)
+
+
+def _hf_dir_link(ws: Path) -> list[str]:
+    d = hf_dir(ws)
+    (ws / "linked").symlink_to(d, target_is_directory=True)
+    return _hf_sharp(ws / "linked")
+
+
+def _hf_weights(ws: Path, edit: Callable[[dict], None], config: dict | None = None) -> list[str]:
+    from safetensors.torch import load_file, save_file
+
+    d = hf_dir(ws, config)
+    t = load_file(d / "model.safetensors")
+    edit(t)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return _hf_sharp(d)
+
+
+def _st(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if length is None else length) + raw + data
+
+
+def _hf_blob(ws: Path, blob: bytes) -> list[str]:
+    d = hf_dir(ws)
+    (d / "model.safetensors").write_bytes(blob)
+    return _hf_sharp(d)
+
+
+def _hf_no_tokenizer(ws: Path) -> list[str]:
+    d = hf_dir(ws)
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    return _hf_sharp(d, "--data", write(ws / "t.txt", TEXT))
+
+
+def _hub_offline() -> Callable[[], None]:
+    """An empty huggingface_hub cache, offline."""
+    from huggingface_hub import constants
+
+    saved = (constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE, os.environ.get("HF_HUB_OFFLINE"))
+    constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = tempfile.mkdtemp(prefix="cemtool-empty-hub-"), True
+    os.environ["HF_HUB_OFFLINE"] = "1"
+
+    def undo() -> None:
+        constants.HF_HUB_CACHE, constants.HF_HUB_OFFLINE = saved[0], saved[1]
+        if saved[2] is None:
+            os.environ.pop("HF_HUB_OFFLINE", None)
+        else:
+            os.environ["HF_HUB_OFFLINE"] = saved[2]
+    return undo
+
+
 def cases_hf() -> list[Case]:
     """Cases of issue 20 items 1-5, 13-16: Hugging Face directories, safetensors, exports."""
-    out: list[Case] = []
+    import torch
+
+    f32 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+    bad_weights = [  # (case, the file's bytes, words)
+        ("a pickle named model.safetensors", pickle.dumps({"evil": True}), ("pickle",)),
+        ("a torch.save zip named model.safetensors", b"PK\x03\x04" + b"\0" * 60, ("pickle",)),
+        ("a 2-byte model.safetensors", b"\x01\x00", ("too short",)),
+        ("a header longer than the file", _st({"w": f32}, length=10_000), ("longer than the file",)),
+        ("a 200 GB header length", _st(b"{}", length=200_000_000_000), ("exceeds the limit",)),
+        ("a header that is not JSON", _st(b"{nope"), ("not valid JSON",)),
+        ("a header nested 100,000 deep", _st(b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+         ("nested too deeply",)),
+        ("an unknown dtype", _st({"w": {**f32, "dtype": "F33"}}, b"\0" * 16), ("unknown dtype",)),
+        ("a shape larger than its bytes", _st({"w": {**f32, "shape": [4, 4]}}, b"\0" * 16), ("needs 64 bytes",)),
+        ("a negative shape", _st({"w": {**f32, "shape": [-2, -2]}}, b"\0" * 16), ("whole numbers",)),
+        ("overlapping data_offsets", _st({"w": f32, "v": {**f32, "data_offsets": [8, 24]}}, b"\0" * 24),
+         ("overlap",)),
+        ("a gap in the data_offsets", _st({"w": {**f32, "data_offsets": [8, 24]}}, b"\0" * 24), ("gap",)),
+        ("a truncated file", _st({"w": f32}, b"\0" * 10), ("truncated",)),
+        ("bytes after the last tensor", _st({"w": f32}, b"\0" * 20), ("after the last tensor",)),
+        ("__metadata__ that is not strings", _st({"__metadata__": {"a": 1}, "w": f32}, b"\0" * 16),
+         ("__metadata__",)),
+    ]
+    up = "model.layers.1.mlp.up_proj.weight"
+    weights = [  # (case, edit of the tensors, config changes, words)
+        ("one tensor missing", lambda t: t.pop(up), None, ("1 missing", up)),
+        ("every tensor missing", lambda t: t.clear(), None, ("tensors are missing",)),
+        ("a renamed embedding", lambda t: t.update({"model.embed_tokenz.weight": t.pop("model.embed_tokens.weight")}),
+         None, ("missing (model.embed_tokens.weight)", "unexpected (model.embed_tokenz.weight)")),
+        ("a mis-shaped tensor", lambda t: t.update({up: torch.zeros(16, 31)}), None, ("of another shape", up)),
+        ("an extra tensor", lambda t: t.update({"model.layers.0.extra": torch.zeros(3)}), None, ("1 unexpected",)),
+        ("num_hidden_layers: -1", lambda t: None, {"num_hidden_layers": -1}, ("num_hidden_layers=-1",)),
+        ("num_hidden_layers: 1 for weights of 2", lambda t: None, {"num_hidden_layers": 1}, ("9 unexpected",)),
+        ("num_hidden_layers: 1,000,000", lambda t: None, {"num_hidden_layers": 1_000_000}, ("1,000,000 layers",)),
+        ("num_hidden_layers: 100,000", lambda t: None, {"num_hidden_layers": 100_000}, ("100,000 layers",)),
+        ("hidden_size: 1,000,000 (terabytes)", lambda t: None, {"hidden_size": 1_000_000, "head_dim": 250_000},
+         ("GiB are available",)),
+    ]
+    out: list[Case] = [
+        Case("hf: auto_map in config.json, y typed", "1", lambda ws: _auto_map(ws, "config.json"),
+             words=("auto_map", "never runs code"), check=_not_executed),
+        Case("hf: auto_map in tokenizer_config.json", "1", lambda ws: _auto_map(ws, "tokenizer_config.json"),
+             words=("auto_map",), check=_not_executed),
+        Case("hf: model.safetensors -> /etc/passwd", "2", lambda ws: _hf_link(ws, "model.safetensors",
+                                                                             Path("/etc/passwd")),
+             words=("symbolic link", "/etc/passwd")),
+        Case("hf: config.json linked outside", "2", lambda ws: _hf_link(ws, "config.json"), words=("symbolic link",)),
+        Case("hf: tokenizer.json linked outside", "2", lambda ws: _hf_link(ws, "tokenizer.json"),
+             words=("symbolic link",)),
+        Case("hf: the model directory is a link", "2", _hf_dir_link, words=("symbolic link",)),
+        *[Case(f"hf: {name}", "5", lambda ws, b=blob: _hf_blob(ws, b), words=("model.safetensors", *w))
+          for name, blob, w in bad_weights],
+        *[Case(f"hf: {name}", "4" if "000" in name else "3",
+               lambda ws, e=edit, c=cfg: _hf_weights(ws, e, c), words=w) for name, edit, cfg, w in weights],
+        Case("hf: no tokenizer, text data", "13", _hf_no_tokenizer, words=("no tokenizer files",)),
+        Case("hf: id neither cached nor downloadable offline", "15", lambda ws: _hf_sharp("hf:acme/not-cached@v1"),
+             words=("hf download acme/not-cached --revision v1",), patch=_hub_offline),
+    ]
     return out
 
 

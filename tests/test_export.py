@@ -225,3 +225,28 @@ def test_plot_and_runs_tell_a_model_directory_from_a_run(tmp_path, exported, tie
     assert res.exit_code == 0, res.output
     assert [r["run"] for r in json.loads(res.stdout)] == [str(tmp_path / "folder" / "run")]
     assert json.loads(runner.invoke(app, ["runs", str(hf), "--json"]).stdout) == []
+
+
+def test_gpt2_export_has_the_runs_lambda_max_without_its_added_zero_biases(tmp_path, text_file):
+    """GPT-2's projection biases are zeros the export adds: recorded as added parameters, they are no Hessian
+    coordinates of the analysed export, whose λ_max and parameter count are then the run's."""
+    run = train_tiny(tmp_path / "run", data=text_file,
+                     extra=[*QUICK, "model.norm=layernorm", "model.pos=learned", "model.mlp=gelu"])
+    res = export(run, tmp_path / "hf")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    record = json.loads((tmp_path / "hf" / "cemtool_export.json").read_text())
+    assert record["added_parameters"] == info["added_tensors"] and len(info["added_tensors"]) == 2 * 4
+    assert all(n.endswith(".bias") for n in info["added_tensors"])
+    opts = ["--tokens", "128", "--trace-hvps", "0", "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0",
+            "--avg-rho", "0", "--top-k", "1", "--bottom-k", "0", "--tol", "1e-9", "--json", "--no-plots"]
+    reps = []
+    for args in ([run], [str(tmp_path / "hf"), "--data", text_file]):
+        res = runner.invoke(app, ["sharpness", *args, *opts])
+        assert res.exit_code == 0, res.output
+        reps.append(json.loads(res.stdout))
+    lam = [r["eigen"]["top"][0] for r in reps]
+    assert abs(lam[0] - lam[1]) <= 1e-5 * abs(lam[0]), lam
+    assert reps[0]["n_params"] == reps[1]["n_params"]
+    assert any(f"{info['added_parameters']:,} parameters in 8 tensors left out (added by cemtool export" in n
+               for n in reps[1]["notes"]), reps[1]["notes"]

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from cemtool.cli.main import app
 from cemtool.data.corpus import load_corpus, windows
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
+from cemtool.errors import CemtoolError
 from cemtool.models.capture import capture
 from cemtool.models.lm import lm_loss
 from cemtool.runs import load_run
@@ -352,7 +353,10 @@ def test_hf_id_offline_without_cache_says_how_to_get_the_files(tmp_path, monkeyp
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)
     res = invoke("saturation", "hf:acme/not-cached@v1", "--no-plots")
-    one_line_error(res, "not in the Hugging Face cache", "huggingface-cli download acme/not-cached --revision v1")
+    # huggingface_hub >= 1.0 installs `hf`, not `huggingface-cli`; the cause is given whole (no cut at 160 characters)
+    one_line_error(res, "not in the Hugging Face cache", "`hf download acme/not-cached --revision v1`",
+                   "outgoing traffic has been disabled. To enable repo look-ups and downloads online, set "
+                   "'HF_HUB_OFFLINE=0' as environment variable.")
     assert not (tmp_path / "runs").exists()
 
 
@@ -364,8 +368,6 @@ def test_without_transformers_the_error_names_the_extra(hf_models, monkeypatch):
 
 
 def test_token_ids_outside_the_models_vocabulary_are_refused(hf_models):
-    from cemtool.errors import CemtoolError
-
     model = load_run(hf_models["gpt2"]).model
     with pytest.raises(CemtoolError, match="outside the model's vocabulary of 256"):
         model(torch.tensor([[1, 2, 256]]))
@@ -396,3 +398,309 @@ def test_values_replaced_at_hook_points_change_the_model_as_the_same_change_insi
         assert torch.equal(model(x), base)  # nothing left behind
     assert (ours - base).abs().max() > 1e-3
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# issue 20: nothing from the directory runs, no link leads out, the weights are complete, sizes are checked first
+
+
+def copy_model(src: str, dst: Path) -> Path:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("reports", "plots", "model_source.json"))
+    return dst
+
+
+QUICK = ("--tokens", 32, "--top-k", 1, "--bottom-k", 0, "--lanczos-steps", 2, "--trace-hvps", 0, "--density-runs", 0,
+         "--sam-rho", 0, "--asam-rho", 0, "--avg-rho", 0, "--landscape", "none", "--no-plots", "--quiet")
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_a_directory_naming_its_own_code_is_refused_even_when_y_is_typed(hf_models, tmp_path, where):
+    d = copy_model(hf_models["llama"], tmp_path / "custom")
+    marker = tmp_path / "EXECUTED"
+    code = f"open({str(marker)!r}, 'w').write('ran')\n"
+    (d / "configuration_evil.py").write_text(code + "from transformers import LlamaConfig as EvilConfig\n")
+    (d / "tokenization_evil.py").write_text(code + "from transformers import PreTrainedTokenizerFast as EvilTok\n")
+    raw = json.loads((d / where).read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"} if where == "config.json" else \
+        {"AutoTokenizer": ["tokenization_evil.EvilTok", None]}
+    (d / where).write_text(json.dumps(raw))
+    res = CliRunner().invoke(app, ["sharpness", str(d), "--quick", "--no-plots"], input="y\ny\ny\n")
+    one_line_error(res, "auto_map", "never runs code")
+    assert not marker.exists()
+    assert not (d / "reports").exists()
+
+
+def test_every_transformers_call_refuses_remote_code(hf_models, monkeypatch):
+    """Beyond the auto_map check: each call into transformers passes trust_remote_code=False."""
+    seen = []
+    for cls, name in ((transformers.AutoConfig, "from_pretrained"), (transformers.AutoTokenizer, "from_pretrained"),
+                      (transformers.AutoModelForCausalLM, "from_pretrained"),
+                      (transformers.AutoModelForCausalLM, "from_config")):
+        orig = getattr(cls, name)
+
+        def spy(*a, _orig=orig, _n=f"{cls.__name__}.{name}", **k):
+            seen.append((_n, k.get("trust_remote_code")))
+            return _orig(*a, **k)
+        monkeypatch.setattr(cls, name, spy)
+    d = hf_models["gpt2"]
+    Path(d, "tokenizer.json").rename(Path(d, "tokenizer.json.off"))  # transformers' tokenizer path too
+    try:
+        with pytest.raises(CemtoolError, match="no usable tokenizer"):
+            load_run(d)
+    finally:
+        Path(d, "tokenizer.json.off").rename(Path(d, "tokenizer.json"))
+    load_run(d)
+    assert {n for n, _ in seen} >= {"AutoConfig.from_pretrained", "AutoModelForCausalLM.from_pretrained",
+                                    "AutoModelForCausalLM.from_config", "AutoTokenizer.from_pretrained"}
+    assert all(v is False for _, v in seen), seen
+
+
+@pytest.mark.parametrize("link", ["model.safetensors", "config.json", "directory"])
+def test_links_out_of_a_model_directory_are_refused(hf_models, tmp_path, link):
+    d = copy_model(hf_models["llama"], tmp_path / "real")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    if link == "directory":
+        target = tmp_path / "linked"
+        target.symlink_to(d)
+        d = target
+    else:
+        (outside / link).write_bytes((d / link).read_bytes())
+        (d / link).unlink()
+        (d / link).symlink_to(outside / link)
+    one_line_error(invoke("sharpness", d, "--quick", "--no-plots"), "symbolic link", "follows no link")
+    assert not (d / "reports").exists()
+
+
+def test_a_weight_file_linked_to_etc_passwd_is_not_parsed(hf_models, tmp_path, monkeypatch):
+    d = copy_model(hf_models["llama"], tmp_path / "passwd")
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors").symlink_to("/etc/passwd")
+    import cemtool.foreign.loader as loader
+
+    opened = []
+    monkeypatch.setattr(loader, "read_header", lambda p: opened.append(p))
+    one_line_error(invoke("collapse-report", d, "--no-plots"), "symbolic link", "/etc/passwd")
+    assert opened == []
+
+
+def hub_cache(tmp_path: Path, src: str, name: str = "acme--tiny") -> tuple[Path, Path]:
+    """A huggingface_hub cache holding ``src`` as the hub stores it: snapshot files are links into blobs/."""
+    repo = tmp_path / "hub" / f"models--{name}"
+    snap, blobs = repo / "snapshots" / ("b" * 40), repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name != "model_source.json":
+            (blobs / f.name).write_bytes(f.read_bytes())
+            (snap / f.name).symlink_to(Path("..", "..", "blobs", f.name))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("b" * 40)
+    return tmp_path / "hub", snap
+
+
+def offline_cache(monkeypatch, cache: Path, cwd: Path) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(cwd)
+
+
+def test_hub_cache_links_into_its_blobs_load_and_a_link_out_of_the_cache_is_refused(hf_models, tmp_path, monkeypatch):
+    cache, snap = hub_cache(tmp_path, hf_models["gpt2"])
+    offline_cache(monkeypatch, cache, tmp_path)
+    assert load_run("hf:acme/tiny").model.describe()["layers"] == 2
+    assert load_run(snap).model.describe()["layers"] == 2  # the snapshot folder given as a directory
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text((snap / "config.json").read_text())
+    (snap / "config.json").unlink()
+    (snap / "config.json").symlink_to(outside)
+    one_line_error(invoke("sharpness", "hf:acme/tiny", "--quick", "--no-plots"), "symbolic link", "elsewhere.json")
+
+
+def edited_weights(src: str, dst: Path, edit) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    d = copy_model(src, dst)
+    t = load_file(d / "model.safetensors")
+    edit(t)
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.parametrize("edit,words", [
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), ["1 missing", "model.layers.1.mlp.up_proj.weight"]),
+    (lambda t: t.clear(), ["are missing", "the weight files hold 0"]),
+    (lambda t: t.update({"model.embed_tokenz.weight": t.pop("model.embed_tokens.weight")}),
+     ["missing (model.embed_tokens.weight)", "unexpected (model.embed_tokenz.weight)"]),
+    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(31, 16)}),
+     ["of another shape", "model.layers.0.mlp.up_proj.weight"]),
+    (lambda t: t.update({"model.layers.0.extra": torch.zeros(3)}), ["1 unexpected (model.layers.0.extra)"]),
+], ids=["one-missing", "all-missing", "renamed-embedding", "mis-shaped", "extra"])
+def test_missing_unexpected_or_misshaped_weights_are_refused(hf_models, tmp_path, edit, words):
+    d = edited_weights(hf_models["llama"], tmp_path / "edited", edit)
+    one_line_error(invoke("sharpness", d, *QUICK), "do not fit", *words)
+    assert not (d / "reports").exists() and not (d / "model_source.json").exists()
+
+
+def test_more_layers_in_the_config_than_in_the_weights_or_fewer_are_refused(hf_models, tmp_path):
+    d = copy_model(hf_models["llama"], tmp_path / "layers")
+    raw = json.loads((d / "config.json").read_text())
+    for layers, words in ((-1, ["num_hidden_layers=-1"]), (0, ["num_hidden_layers=0"]),
+                          (1, ["9 unexpected", "model.layers.1."]), (3, ["9 missing", "model.layers.2."])):
+        (d / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": layers}))
+        one_line_error(invoke("sharpness", d, *QUICK), *words)
+
+
+def test_a_config_of_a_million_layers_is_refused_at_once_with_its_size(hf_models, tmp_path, monkeypatch):
+    import time
+
+    import cemtool.memory
+
+    d = copy_model(hf_models["llama"], tmp_path / "huge")
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 1_000_000}))
+    t = time.perf_counter()
+    one_line_error(invoke("sharpness", d, *QUICK), "1,000,000 layers", "tensors are missing")
+    monkeypatch.setattr(cemtool.memory, "available_memory", lambda device: 2 << 30)
+    one_line_error(invoke("sharpness", d, *QUICK), "1,000,000 layers", "2,336,008,208 parameters", "8.70 GiB",
+                   "2.00 GiB are available")
+    assert time.perf_counter() - t < 30  # nothing of that size was built (building it takes minutes)
+
+
+def safetensors_bytes(header: dict | bytes, data: bytes = b"", length: int | None = None) -> bytes:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return (len(raw) if length is None else length).to_bytes(8, "little") + raw + data
+
+
+F32 = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
+BAD_SAFETENSORS = {
+    "pickle": (pickle.dumps({"a": 1}), "pickle"),
+    "torch-save-zip": (b"PK\x03\x04" + b"\0" * 60, "pickle"),
+    "too-short": (b"\x01\x00", "too short"),
+    "header-past-the-end": (safetensors_bytes({"w": F32}, length=10_000), "longer than the file"),
+    "oversized-header": (safetensors_bytes(b"{}", length=200_000_000_000), "exceeds the limit"),
+    "not-json": (safetensors_bytes(b"{nope"), "not valid json"),
+    "deeply-nested": (safetensors_bytes(b'{"w": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"), "nested too deeply"),
+    "recursion": (safetensors_bytes(b"{" + b'"a":{' * 50_000 + b"}" * 50_001), "nested too deeply"),
+    "unknown-dtype": (safetensors_bytes({"w": {**F32, "dtype": "F33"}}, b"\0" * 16), "unknown dtype"),
+    "lying-shape": (safetensors_bytes({"w": {**F32, "shape": [4, 4]}}, b"\0" * 16), "needs 64 bytes"),
+    "negative-shape": (safetensors_bytes({"w": {**F32, "shape": [-2, -2]}}, b"\0" * 16), "whole numbers"),
+    "overlapping-offsets": (safetensors_bytes({"w": F32, "v": {**F32, "data_offsets": [8, 24]}}, b"\0" * 24),
+                            "overlap"),
+    "gap-in-offsets": (safetensors_bytes({"w": {**F32, "data_offsets": [8, 24]}}, b"\0" * 24), "gap"),
+    "truncated": (safetensors_bytes({"w": F32}, b"\0" * 10), "truncated"),
+    "trailing-bytes": (safetensors_bytes({"w": F32}, b"\0" * 20), "after the last tensor"),
+    "metadata-not-strings": (safetensors_bytes({"__metadata__": {"a": 1}, "w": F32}, b"\0" * 16), "__metadata__"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAFETENSORS))
+def test_a_bad_safetensors_file_is_one_line_naming_the_file(hf_models, tmp_path, case):
+    blob, words = BAD_SAFETENSORS[case]
+    d = copy_model(hf_models["gpt2"], tmp_path / case)
+    (d / "model.safetensors").write_bytes(blob)
+    one_line_error(invoke("sharpness", d, *QUICK), "model.safetensors", *words.split("|"))
+
+
+def test_a_cemtool_checkpoint_shares_the_header_check(tiny_run, tmp_path):
+    """runs.read_checkpoint reads a checkpoint only after the same layout check (here: offsets that overlap)."""
+    from cemtool.runs import read_checkpoint
+    from cemtool.tensorfile import read_header
+
+    src = Path(tiny_run) / "checkpoints" / "final.safetensors"
+    tensors, _ = read_header(src)
+    assert tensors and all(t.numel >= 1 for t in tensors.values())
+    raw = src.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__" and header[k]["data_offsets"][0] > 0)
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin - 4, end - 4]
+    bad = tmp_path / "final.safetensors"
+    bad.write_bytes(safetensors_bytes(header, raw[8 + n:]))
+    with pytest.raises(CemtoolError, match="corrupted or truncated.*overlap"):
+        read_checkpoint(bad)
+
+
+def test_token_ids_need_no_tokenizer(hf_models, tmp_path, text_file):
+    d = copy_model(hf_models["gpt2"], tmp_path / "no-tokenizer")
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+    g = np.random.default_rng(0)
+    ids, other = tmp_path / "ids.npy", tmp_path / "other.npy"
+    np.save(ids, g.integers(0, 256, 3000).astype(np.uint16))
+    np.save(other, g.integers(0, 64, 3000).astype(np.uint16))
+    assert invoke("sharpness", d, "--data", ids, *QUICK).exit_code == 0
+    res = invoke("saturation", d, "--data", ids, "--tokens", 64, "--ranks", "0,2", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    res = invoke("forgetting", d, "--data", ids, "--to", other, "--out", tmp_path / "ft", "--steps", 2,
+                 "--eval-every", 2, "--eval-tokens", 64, "--quiet")
+    assert res.exit_code == 0, res.output
+    res = invoke("collapse-report", d, "--data", ids, "--tokens", 128, "--folds", 2, "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((d / "reports" / "collapse.json").read_text())
+    probe = rep["runs"][0]["collapse"]["layers"][0]["probe"]
+    assert probe["values"] == "not applicable: the data are token ids without a tokenizer, so there are no words to " \
+                              "probe"
+    src = json.loads((d / "model_source.json").read_text())
+    assert src["tokenizer"].startswith("token ids alone")
+    one_line_error(invoke("sharpness", d, "--data", text_file, *QUICK), "no tokenizer files", "pretokenised ids")
+
+
+def test_reports_record_the_evaluation_data_and_saturation_advice_is_not_applicable(hf_models, tmp_path, text_file):
+    d = copy_model(hf_models["gpt_neox"], tmp_path / "neox")
+    res = invoke("saturation", d, "--data", text_file, "--tokens", 64, "--ranks", "0,2", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    rep = json.loads((d / "reports" / "saturation.json").read_text())
+    assert rep["provenance"]["model_source"]["data"]["source"] == text_file
+    assert rep["advice"]["applicable"] is False and rep["advice"]["why"].startswith("not applicable: per-layer")
+    assert not list((d / "reports").glob("*advice.toml"))  # no train command that cannot work
+    assert invoke("sharpness", d, *QUICK).exit_code == 0  # default data: pydoc
+    rep = json.loads((d / "reports" / "sharpness.json").read_text())
+    assert rep["provenance"]["model_source"]["data"]["source"] == "pydoc" and rep["notes"] == []
+    res = invoke("sharpness", d, "--data", text_file, *QUICK[:-1])  # other data: the replacement is said
+    assert res.exit_code == 0 and "replaced sharpness.json, which was measured on other data ('pydoc'" in res.output
+    assert "replaced sharpness.json" in json.loads((d / "reports" / "sharpness.json").read_text())["notes"][0]
+    res = invoke("saturation", d, "--tokens", 64, "--ranks", "0,2", "--no-plots")
+    assert res.exit_code == 0 and f"which was measured on other data ({text_file!r}" in res.output, res.output
+
+
+def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_run):
+    """transformers' Llama keeps RMSNorm and softmax in float32 in a float64 model; GPT-2 and cemtool's own models
+    compute in float64. The error bounds of an fp64 analysis follow what is computed."""
+    import copy as copy_
+
+    from cemtool.analysis.hessian import forward_precision
+
+    x = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    for source, want in ((hf_models["llama"], torch.float32), (hf_models["gpt2"], torch.float64),
+                         (tiny_run, torch.float64)):
+        model = copy_.deepcopy(load_run(source).model).double()
+        assert forward_precision(model, x) == want, source
+        assert forward_precision(model.float(), x) == torch.float32
+    res = invoke("sharpness", hf_models["llama"], "--dtype", "fp64", "--tokens", 64, "--top-k", 1, "--bottom-k", 1,
+                 "--lanczos-steps", 30, "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0,
+                 "--avg-rho", 0, "--landscape", "none", "--no-plots", "--json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["computed_in"] == "float32" and any("computes partly in float32" in n for n in rep["notes"])
+    scale = max(abs(rep["eigen"]["top"][0]), abs(rep["eigen"]["bottom"][0]))
+    assert rep["eigen"]["rounding"] >= 10 * float(torch.finfo(torch.float32).eps) * scale  # not 1e-13
+
+
+@pytest.mark.parametrize("length", [0x80, 0x4B50])  # a first byte like a pickle's, first bytes like a zip's "PK"
+def test_a_valid_header_whose_length_looks_like_a_pickle_is_read(tmp_path, length):
+    from safetensors.torch import load_file
+
+    from cemtool.tensorfile import read_header
+
+    raw = json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}}).encode()
+    raw += b" " * (length - len(raw))  # safetensors pads its header with spaces
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(safetensors_bytes(raw, b"\0" * 16))
+    assert f.read_bytes()[:2] in (b"\x80\x00", b"PK")
+    tensors, _ = read_header(f)
+    assert tensors["w"].shape == (2, 2) and load_file(f)["w"].shape == (2, 2)

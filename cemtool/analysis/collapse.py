@@ -359,6 +359,9 @@ def probe_classes(tokenizer, tokens: np.ndarray | torch.Tensor, words: Sequence[
             c.skipped = (f"a probe class occurs fewer than {min_count} times as a whole word in the evaluation "
                          f"tokens ({_counts_text(c)}); evaluate more tokens or choose other --words")
         return c
+    if tokenizer.kind == "ids":  # token ids without a tokenizer (cemtool.data.tokens.id_tokenizer): no words
+        return ProbeClasses(list(DEFAULT_WORDS), [[] for _ in DEFAULT_WORDS], "words", min_count=min_count,
+                            skipped="the data are token ids without a tokenizer, so there are no words to probe")
     ids = [word_start_id(tokenizer, w) for w in DEFAULT_WORDS]
     default = ProbeClasses(list(DEFAULT_WORDS), [[i] if i is not None else [] for i in ids], "words",
                            counts=[count(i) for i in ids], min_count=min_count, continues=continues)

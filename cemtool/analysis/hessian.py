@@ -72,7 +72,8 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
     model's own names where it has others (``model.parameter_aliases()``: a Hugging Face model's
     ``model.layers.3.mlp.*``, cemtool.foreign).
     """
-    named = list(model.named_parameters())  # shared parameters appear once
+    named = [(n, p) for n, p in model.named_parameters()  # shared parameters appear once
+             if not getattr(p, "fixed", None)]  # nor coordinates of the model (an export's added zeros)
     aliases = model.parameter_aliases() if hasattr(model, "parameter_aliases") else {}
     chosen: set[str] = set()
     for part in [s.strip() for s in spec.split(",") if s.strip()] or [""]:
@@ -186,6 +187,11 @@ class Objective:
         self.params = [p for n, p in self.model.named_parameters() if n in wanted]
         for p in self.params:
             p.requires_grad_(True)
+        # the precision the forward really computes in (transformers keeps softmax and RMSNorm in float32 in an
+        # fp64 model): the rounding term of every bound uses its eps, not the requested dtype's
+        self.compute_dtype = forward_precision(self.model, x[:1].to(self.device))
+        if torch.finfo(self.compute_dtype).eps > self.hvp_eps:
+            self.hvp_eps = float(torch.finfo(self.compute_dtype).eps)
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]
         self.n = sum(self.sizes)
@@ -380,6 +386,28 @@ class Objective:
 
 
 HVP_METHODS = ("exact", "fd")
+@torch.no_grad()
+def forward_precision(model: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The least precise floating dtype among every intermediate tensor of one forward pass on ``x`` (a dtype
+    audit of each operation's output, TorchDispatchMode): the precision the model really computes in, whatever
+    its parameters' dtype (a transformers Llama computes softmax and RMSNorm in float32 in an fp64 model)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen: set[torch.dtype] = set()
+
+    class Audit(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.update(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return out
+
+    with Audit():
+        model(x)
+    first = next(iter(model.parameters()))
+    return max(seen or {first.dtype}, key=lambda d: torch.finfo(d).eps)
+
+
 FD_STEP = float(torch.finfo(torch.float64).eps) ** (1 / 3)  # |h v| of the central difference: ~6e-6
 
 

@@ -347,6 +347,7 @@ class SharpnessReport:
     seconds: float = 0.0
     kept_graph_batches: int = 0
     batches: int = 1
+    computed_in: str = ""  # the precision the forward computes in (hessian.forward_precision): the bounds' eps
 
     def payload(self) -> dict:
         """A JSON-able dict (no tensors)."""
@@ -443,6 +444,14 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
                               float(g.norm()), batches=obj.n_batches, tokens_requested=tokens_requested)
         if tokens_requested is not None and tokens_requested != obj.tokens:
             rep.notes.append(tokens_note(tokens_requested, obj.tokens, int(x.shape[0]), int(x.shape[1])))
+        rep.computed_in = str(obj.compute_dtype).removeprefix("torch.")
+        if obj.compute_dtype != obj.dtype:
+            rep.notes.append(f"the forward computes partly in {rep.computed_in} (--dtype {o.dtype}): error bounds "
+                             f"use {rep.computed_in}'s rounding (eps {torch.finfo(obj.compute_dtype).eps:.3g})")
+        fixed = [(n, p) for n, p in model.named_parameters() if getattr(p, "fixed", None)]
+        if fixed:
+            rep.notes.append(f"{sum(p.numel() for _, p in fixed):,} parameters in {len(fixed)} tensors left out "
+                             f"({fixed[0][1].fixed}): {fixed[0][0]}{', ...' if len(fixed) > 1 else ''}")
         if o.top_k + o.bottom_k > 0 and o.lanczos_steps > 0:
             name = "eigenvalues (Lanczos)"
             rep.eigen = lanczos(obj, o.top_k, o.bottom_k, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,

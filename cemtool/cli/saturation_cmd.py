@@ -87,7 +87,7 @@ def analyze(
     from cemtool.distributed import check_same_device, init_distributed
     from cemtool.models.allocation import layer_shapes
     from cemtool.models.registry import build_model
-    from cemtool.report import provenance, write_report
+    from cemtool.report import provenance, replaced_data_note, write_report
     from cemtool.runs import atomic_write_text, load_run, safe_name
     from cemtool.train import pick_device
 
@@ -135,6 +135,7 @@ def analyze(
                                         options={"checkpoint": checkpoint, "tokens": tokens, "ranks": rank_list,
                                                  "basis": basis, "tolerance": tolerance, "per_head": per_head}),
                "arch": cfg.model.arch, "saturation": result, "advice": advice}
+    replaced = replaced_data_note(reports / f"{name}.json", loaded.run.path)  # a Hugging Face model, other --data
     paths = write_report(reports, name, payload, truncation_rows(result, loaded.run.path.name))
     advice_path = None
     if advice["applicable"]:
@@ -170,6 +171,8 @@ def analyze(
     else:
         console.result(f"advice: {advice['why']}")
     console.result(f"wrote {paths['json']} (+ .csv)")
+    if replaced:
+        console.result(f"note: {replaced}")
 
 
 # --------------------------------------------------------------------------------------------------------------

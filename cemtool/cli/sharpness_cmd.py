@@ -182,6 +182,7 @@ def sharpness(
     from cemtool.analysis.hessian import evaluation_set, resolve_dtype
     from cemtool.analysis.sharpness import measure_sharpness, write_sharpness_report
     from cemtool.distributed import check_same_device, init_distributed
+    from cemtool.report import replaced_data_note
     from cemtool.runs import load_run, safe_name, to_json_value
     from cemtool.train import pick_device
 
@@ -254,6 +255,9 @@ def sharpness(
     if not dd.main:  # every rank holds the same results; rank 0 alone writes and prints
         return
     report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
+    replaced = replaced_data_note(loaded.run.reports / f"{report_name}.json", loaded.run.path)
+    if replaced:  # a Hugging Face model's report measured on other --data
+        rep.notes.append(replaced)
     payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
     figures = []
     if plot and not no_plot:

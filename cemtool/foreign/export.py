@@ -20,7 +20,9 @@ The baseline with LayerNorm, learned positions and GELU is GPT-2's block, as ``G
 -> transformer.wte/wpe, ln1/ln2 -> ln_1/ln_2, wq|wk|wv stacked -> attn.c_attn, wo -> attn.c_proj, up/down ->
 mlp.c_fc/c_proj (Conv1D weights are the transpose of nn.Linear's), ln_f -> transformer.ln_f, with exact GELU
 (``activation_function="gelu"``), no dropout, and zero biases on the projections (GPT-2 has them, cemtool does
-not: the exported model has those extra, zero, parameters). Its head size must be the width / heads.
+not: the exported model has those extra, zero, parameters; cemtool_export.json lists them as ``added_parameters``
+and an analysis of the export leaves them out, so that its Hessian is the run's). Its head size must be the
+width / heads.
 
 Per-layer head counts or sizes (``early-heavy``, ``late-lowrank``, explicit lists) cannot be said in either
 config, and mixtures (RoPE with LayerNorm, ...) and every other family have no standard equivalent: they are
@@ -38,6 +40,7 @@ it removes what it wrote and fails.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -157,9 +160,18 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
     return _complete(model, set(names), {theirs: p[ours] for ours, theirs in names.items()}, "LlamaForCausalLM")
 
 
+def added_tensors(target: str, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors the export adds to the run's parameters: GPT-2's projection biases (zeros; cemtool's layers
+    have none). Recorded in cemtool_export.json, so that an analysis of the export leaves them out (they would be
+    Hessian coordinates the run does not have: cemtool.foreign.loader.mark_added)."""
+    if target != "GPT2LMHeadModel":
+        return []
+    return sorted(n for n in tensors if re.search(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias$", n))
+
+
 def gpt2_state_dict(model) -> dict[str, torch.Tensor]:
     """GPT-2's tensors: Conv1D weights are (in, out), the transpose of nn.Linear's; q, k, v are stacked in c_attn;
-    the projections' biases, which cemtool's layers do not have, are zeros."""
+    the projections' biases, which cemtool's layers do not have, are zeros (:func:`added_tensors`)."""
     p = dict(model.named_parameters())
     out = {"transformer.wte.weight": p["tok_emb.weight"], "transformer.wpe.weight": p["pos_emb.weight"]}
     used = {"tok_emb.weight", "pos_emb.weight"}
@@ -223,12 +235,13 @@ def _write_tokenizer(loaded, out: Path) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
-def export_record(loaded) -> dict:
+def export_record(loaded, added: list[str]) -> dict:
     """What an analysis of the exported directory needs from the run: its data section (the default evaluation
-    data) and its tokenizer's kind (a word-level one reads the grammar corpora)."""
+    data), its tokenizer's kind (a word-level one reads the grammar corpora) and the tensors the export added
+    (``added_parameters``: left out of the analyses)."""
     return {"run": str(loaded.run.path.resolve()), "checkpoint": loaded.checkpoint.name, "step": loaded.step,
             "arch": loaded.config.model.arch, "tokenizer_kind": loaded.tokenizer.kind,
-            "data": to_dict(loaded.config.data)}
+            "data": to_dict(loaded.config.data), "added_parameters": added}
 
 
 @torch.no_grad()
@@ -263,6 +276,7 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
     _check_target(out, loaded.run.path, force)
     config_of, tensors_of = TARGETS[target]
     tensors = tensors_of(model)
+    added = added_tensors(target, tensors)
     meta = {"format": "pt", "cemtool_run": str(loaded.run.path.resolve()), "cemtool_arch": model.cfg.arch,
             "cemtool_checkpoint": loaded.checkpoint.name, "cemtool_step": str(loaded.step)}
     out.mkdir(parents=True, exist_ok=True)
@@ -273,7 +287,7 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
         atomic_write_bytes(out / "model.safetensors", save(tensors, metadata=meta))
         written.append("model.safetensors")
         written += _write_tokenizer(loaded, out)
-        atomic_write_json(out / EXPORT_FILE, export_record(loaded))
+        atomic_write_json(out / EXPORT_FILE, export_record(loaded, added))
         written.append(EXPORT_FILE)
         diff, scale = logits_difference(model, out, target)
         if not diff <= TOLERANCE * max(1.0, scale):
@@ -286,5 +300,6 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
     return {"run": str(loaded.run.path), "checkpoint": loaded.checkpoint.name, "step": loaded.step,
             "arch": model.cfg.arch, "format": "hf", "architecture": target, "out": str(out), "files": written,
             "parameters": sum(t.numel() for t in tensors.values()),
+            "added_parameters": sum(tensors[n].numel() for n in added), "added_tensors": added,
             "tie_word_embeddings": bool(model.cfg.tie_embeddings), "logits_max_abs_diff": diff,
             "logits_max_abs": scale, "transformers": _transformers().__version__}

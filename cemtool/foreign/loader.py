@@ -2,13 +2,22 @@
 
 Rules (docs/models.md):
 
+- no code from the directory: a config.json or tokenizer_config.json with an ``auto_map`` (custom Python classes)
+  is refused, and every transformers call passes ``trust_remote_code=False``;
+- no link out of the directory: the directory and every entry in it must not be symbolic links, except, in the
+  huggingface_hub cache, links that resolve inside the same cache repository (``snapshots/<rev>/*`` -> ``blobs/``);
+- every weight file's safetensors layout is checked from its header (:mod:`cemtool.tensorfile`), and the tensors
+  must be exactly those the config's model has, with their shapes (read from the header; the expected ones from the
+  model built on the meta device), before anything is allocated, after the size check: parameters and memory are
+  estimated from the config and a model that cannot fit is refused;
 - safetensors only: a directory whose weights are only pickles (``*.bin``, ``*.pt``, ``*.pth``, ``*.ckpt``) is
   refused before anything is read, and transformers is called with ``use_safetensors=True``; an ``hf:`` download
   fetches only safetensors, JSON and tokenizer files;
 - ``hf:`` ids resolve through huggingface_hub's own cache (``HF_HOME``, ``HF_HUB_OFFLINE=1`` honoured);
 - the model is loaded in float32 with ``attn_implementation="eager"`` (double backward for Hessians, attention
   probabilities for collapse and saturation) and wrapped in :class:`~cemtool.foreign.adapter.ForeignLM`;
-- its own tokenizer (``tokenizer.json``, else the files transformers converts to one);
+- its own tokenizer (``tokenizer.json``, else the files transformers converts to one); none is needed for
+  pretokenised ids (``.bin``/``.npy`` data);
 - at load, the adapter's logits (with every hook point captured) are compared with the plain transformers forward
   (no hooks; the default attention kernel) on a few sequences; a mismatch beyond 1e-5 is refused, and the check is
   recorded in the source description every report's provenance carries.
@@ -16,6 +25,7 @@ Rules (docs/models.md):
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
@@ -23,11 +33,14 @@ from typing import Any
 
 from cemtool.errors import CemtoolError
 from cemtool.runs import is_hf_dir  # the one detector of run and model directories (re-exported here)
+from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
 TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
 EXPORT_FILE = "cemtool_export.json"  # written by cemtool export: the run's data section and tokenizer kind
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
+                   "*.tiktoken")  # what AutoTokenizer reads; without any, only token ids can be evaluated
 SOURCE_FILE = "model_source.json"  # written beside the reports: what was loaded (read by report.provenance)
 _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name -> transformers config
 
@@ -79,13 +92,56 @@ def hub_snapshot(spec: str) -> tuple[Path, dict]:
     try:
         path = Path(snapshot_download(repo, revision=rev, allow_patterns=HUB_FILES))
     except Exception as e:  # offline without cache, unknown repo or revision, network errors: one line each
-        why = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        why = " ".join(str(e).split()) or type(e).__name__  # the whole message, on one line
         raise CemtoolError(f"{spec}: the model is not in the Hugging Face cache and could not be downloaded "
                            f"({type(e).__name__}: {why})",
-                           hint=f"on a machine with network access run `huggingface-cli download {repo}"
-                                f"{' --revision ' + rev if rev else ''}` (HF_HOME selects the cache), or pass a "
-                                f"local directory written by save_pretrained") from None
+                           hint=f"on a machine with network access run `{download_command(repo, rev)}` "
+                                f"(HF_HOME selects the cache), or pass a local directory written by save_pretrained"
+                           ) from None
     return path, {"kind": "hf-hub", "repo": repo, "revision": rev, "commit": path.name}
+
+
+def download_command(repo: str, rev: str | None) -> str:
+    """The command line that fills the cache: ``hf download`` since huggingface_hub 1.0 (``huggingface-cli``
+    before)."""
+    try:
+        from huggingface_hub import __version__ as hub_version
+    except ImportError:
+        hub_version = "1"
+    cli = "huggingface-cli" if int(hub_version.split(".")[0]) < 1 else "hf"
+    return f"{cli} download {repo}{' --revision ' + rev if rev else ''}"
+
+
+def check_links(path: Path, cache_repo: Path | None = None) -> None:
+    """Refuse a model directory that is a symbolic link or holds one: cemtool reads nothing outside the directory.
+    In the huggingface_hub cache (``cache_repo``: ``models--ORG--NAME``) the snapshot's links into the same
+    repository's ``blobs/`` are how the cache stores files, and are allowed."""
+    inside = cache_repo.resolve() if cache_repo is not None else None
+    for p in [path, *sorted(path.iterdir())]:
+        if not p.is_symlink():
+            continue
+        target = p.resolve()
+        if inside is not None and target.is_relative_to(inside):
+            continue
+        raise CemtoolError(f"{p} is a symbolic link (to {target}): cemtool follows no link out of a model directory",
+                           hint="copy the files into the directory (only the Hugging Face cache's own links "
+                                "inside a cache repository are followed)")
+
+
+def refuse_remote_code(path: Path) -> None:
+    """Refuse a directory whose config names its own Python classes (``auto_map``): transformers would import and
+    run the directory's ``*.py`` files. cemtool never runs code from a model directory."""
+    from cemtool.runs import read_json
+
+    for name in ("config.json", "tokenizer_config.json"):
+        f = path / name
+        raw = read_json(f, name) if f.is_file() else None
+        if isinstance(raw, dict) and raw.get("auto_map"):
+            shown = json.dumps(raw["auto_map"])
+            raise CemtoolError(f"{f} has an auto_map ({shown[:200]}{'...' if len(shown) > 200 else ''}): it names "
+                               f"the directory's own Python code, and cemtool never runs code from a model directory",
+                               hint="use a model whose architecture transformers itself implements "
+                                    "(trust_remote_code is never set)")
 
 
 def check_files(path: Path) -> list[Path]:
@@ -102,6 +158,95 @@ def check_files(path: Path) -> list[Path]:
     raise CemtoolError(f"{path} holds no *.safetensors weights", hint="write the model with save_pretrained")
 
 
+def read_headers(weights: list[Path]) -> dict[str, TensorInfo]:
+    """Every tensor's dtype and shape, from the weight files' headers (no data read), each file's layout checked
+    (:func:`cemtool.tensorfile.read_header`)."""
+    from cemtool.runs import os_error
+
+    found: dict[str, TensorInfo] = {}
+    for w in weights:
+        try:
+            tensors, _ = read_header(w)
+        except BadTensorFile as e:
+            raise CemtoolError(f"{w} is not a valid safetensors file: {e}",
+                               hint="write the weights again with save_pretrained (safetensors)") from None
+        except OSError as e:
+            raise os_error(e, w, "read") from None
+        again = sorted(set(tensors) & set(found))
+        if again:
+            raise CemtoolError(f"{w}: tensor {again[0]!r} is also in another weight file")
+        found.update(tensors)
+    return found
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the tensors the model expects, its size
+
+
+def config_params(path: Path, config, fam) -> tuple[int, int]:
+    """(parameters of the config's model, layers), counted without building it: a one-layer copy is built on the
+    meta device (no memory), and the layers are alike, so a config with a million layers costs nothing."""
+    import torch
+
+    transformers = _transformers()
+    layers = getattr(config, "num_hidden_layers", None)
+    if type(layers) is not int or layers < 1:
+        raise CemtoolError(f"{path / 'config.json'}: num_hidden_layers={layers!r} is not a whole number >= 1")
+    one = copy.deepcopy(config)
+    one.num_hidden_layers = 1
+    try:
+        with torch.device("meta"):
+            m = transformers.AutoModelForCausalLM.from_config(one, attn_implementation="eager",
+                                                              trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001  (a config transformers cannot build: one line, whatever it raises)
+        raise CemtoolError(f"{path / 'config.json'}: transformers cannot build this model "
+                           f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
+    total = sum(t.numel() for t in m.parameters())
+    layer = sum(t.numel() for t in fam.backbone(m).layers[0].parameters())
+    return total + (layers - 1) * layer, layers
+
+
+def check_size(spec: str, path: Path, config, fam, found: dict[str, TensorInfo]) -> int:
+    """Refuse, before anything is built, a model whose weights cannot fit in memory (cemtool.memory's estimate:
+    4 bytes per parameter), and one with more than twice the parameters the weight files hold (a config with a
+    million layers for weights of two: tensors are missing, and building it would take minutes; a smaller
+    shortfall is named tensor by tensor once loaded, :func:`check_loading`). Returns the parameter count."""
+    from cemtool.memory import check_weights_memory
+
+    params, layers = config_params(path, config, fam)
+    check_weights_memory(params, f"{spec} ({layers:,} layers)", "cpu")
+    held = sum(t.numel for t in found.values())
+    if params > 2 * held:
+        raise CemtoolError(f"{spec}: the weights do not fit the model of its config.json ({layers:,} layers, "
+                           f"{params:,} parameters): the weight files hold {held:,} parameters, tensors are missing",
+                           hint=MISMATCH_HINT)
+    return params
+
+
+MISMATCH_HINT = ("cemtool loads complete weights only (nothing is initialised afresh): save them with save_pretrained "
+                 "from the model this config describes")
+
+
+def check_loading(spec: str, info: dict) -> None:
+    """Refuse weights that transformers had to complete or drop (its loading report): missing tensors would be
+    freshly initialised, unexpected ones ignored, mis-shaped ones replaced."""
+    def shown(item) -> str:  # a name, or (name, shape in the file, shape of the model)
+        if isinstance(item, (tuple, list)) and len(item) == 3:
+            return f"{item[0]} {list(item[1])} for {list(item[2])}"
+        return str(item)
+
+    def some(items) -> str:
+        items = sorted(shown(i) for i in items)
+        return ", ".join(items[:5]) + (", ..." if len(items) > 5 else "")
+
+    parts = [f"{len(info[k]):,} {what} ({some(info[k])})" for k, what in
+             (("missing_keys", "missing"), ("unexpected_keys", "unexpected"), ("mismatched_keys", "of another shape"))
+             if info.get(k)]
+    if parts:
+        raise CemtoolError(f"{spec}: the weights do not fit the model of its config.json: tensors {'; '.join(parts)}",
+                           hint=MISMATCH_HINT)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # the model
 
@@ -112,7 +257,7 @@ def read_config(path: Path):
     raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
     mt = raw.get("model_type")
     try:
-        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+        config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (ValueError, KeyError) as e:
         raise CemtoolError(f"{path}: unknown model type {mt!r} ({str(e).splitlines()[0][:100]})",
                            hint="the transformers installed here cannot build it; update transformers or pass "
@@ -128,14 +273,21 @@ def read_config(path: Path):
     return config
 
 
-def load_hf_model(path: Path, config):
-    """AutoModelForCausalLM from safetensors, float32, eager attention, eval mode."""
+def load_hf_model(path: Path, config, spec: str | None = None):
+    """AutoModelForCausalLM from safetensors, float32, eager attention, eval mode; refused unless every tensor it
+    expects was in the files with its shape, and nothing else (:func:`check_loading`)."""
     transformers = _transformers()
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()  # its load report is ours to give, in one line
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), config=config, use_safetensors=True, local_files_only=True, attn_implementation="eager")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path), config=config, use_safetensors=True, local_files_only=True, attn_implementation="eager",
+            trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise CemtoolError(f"{path}: transformers could not load the model ({str(e).splitlines()[0][:160]})") from None
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    check_loading(spec or str(path), info)
     return model.float().eval()
 
 
@@ -150,13 +302,28 @@ def load_hf_tokenizer(path: Path, kind: str = "hf"):
         return Tokenizer(Fast.from_file(str(path / "tokenizer.json")), kind)
     transformers = _transformers()
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True)
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True, use_fast=True,
+                                                         trust_remote_code=False)
     except Exception as e:  # missing or unreadable tokenizer files
         raise CemtoolError(f"{path}: no usable tokenizer ({str(e).splitlines()[0][:120]})",
                            hint="save it beside the model: tokenizer.save_pretrained(dir)") from None
     if not hasattr(tok, "backend_tokenizer"):
         raise CemtoolError(f"{path}: the tokenizer has no fast (tokenizers) form")
     return Tokenizer(tok.backend_tokenizer, "hf")
+
+
+def model_tokenizer(path: Path, record: dict | None, source: str, vocab_size: int):
+    """The model's own tokenizer; for pretokenised data (``.bin``/``.npy``), the ids alone when the directory has
+    no usable tokenizer (the ids need none)."""
+    from cemtool.data.tokens import id_tokenizer, is_token_source
+
+    if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
+        if is_token_source(source):
+            return id_tokenizer(vocab_size)
+        raise CemtoolError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...), so text cannot "
+                           f"be read for it", hint="pass pretokenised ids (--data file.npy or .bin), or save the "
+                                                   "tokenizer beside the model: tokenizer.save_pretrained(dir)")
+    return load_hf_tokenizer(path, record.get("tokenizer_kind", "hf") if record else "hf")
 
 
 def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> dict:
@@ -219,10 +386,30 @@ def build_foreign(cfg):
     transformers = _transformers()
     from cemtool.foreign.adapter import ForeignLM
 
+    if cfg.heads or cfg.head_dims:  # e.g. saturation's allocation advice: its train command could not build it
+        raise CemtoolError(f"per-layer allocation (model.heads, model.head_dims) does not apply to {cfg.arch}: a "
+                           f"transformers architecture has one head count and size for every layer",
+                           hint="allocation advice needs a cemtool architecture")
     body = dict(_CONFIGS[cfg.arch])
     config = transformers.AutoConfig.for_model(body.pop("model_type"), **body)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                       trust_remote_code=False).float().eval()
     return ForeignLM(hf, family_adapters()[config.model_type], arch=cfg.arch)
+
+
+ADDED = "added by cemtool export (zero; the run has no such parameters)"
+
+
+def mark_added(model, names: list, spec: str) -> None:
+    """Tag the tensors ``cemtool export`` added (GPT-2's zero projection biases) with ``fixed`` (the reason):
+    curvature analyses leave fixed parameters out (cemtool.analysis.hessian.select_parameters), so an exported
+    run's Hessian, λ_max included, is the run's."""
+    own = dict(model.hf.named_parameters())
+    for name in names:
+        if not isinstance(name, str) or name not in own:
+            raise CemtoolError(f"{spec}: {EXPORT_FILE} lists an added parameter {str(name)[:100]!r} the model "
+                               f"does not have", hint="export the run again")
+        own[name].fixed = ADDED
 
 
 def read_export(path: Path) -> dict | None:
@@ -262,7 +449,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
-    from cemtool.config import RunConfig
+    from cemtool.config import RunConfig, to_dict
     from cemtool.foreign.adapter import ForeignLM
     from cemtool.runs import LoadedRun, Run, atomic_write_json
 
@@ -274,11 +461,15 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     if spec.startswith("hf:"):
         path, where = hub_snapshot(spec)
         home = Path("runs") / "hf" / re.sub(r"[^A-Za-z0-9_.@-]+", "--", spec[len("hf:"):])
+        check_links(path, cache_repo=path.parents[1])  # <cache>/models--ORG--NAME/snapshots/<commit>
     else:
         path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).resolve())}
         if not path.is_dir():
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
+        in_cache = path.parent.name == "snapshots" and path.parents[1].name.startswith("models--")
+        check_links(path, cache_repo=path.parents[1] if in_cache else None)  # a snapshot passed as a directory
         home = path
+    refuse_remote_code(path)
     weights = check_files(path)
     config = read_config(path)
     fam = family_adapters().get(config.model_type)
@@ -286,11 +477,13 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         raise CemtoolError(f"{spec}: model type {config.model_type!r} has no cemtool adapter",
                            hint=f"supported: {', '.join(sorted(family_adapters()))} (docs/models.md says how to add "
                                 f"one)")
+    found = read_headers(weights)
+    check_size(spec, path, config, fam, found)
     record = read_export(path)
-    tok = load_hf_tokenizer(path, record.get("tokenizer_kind", "hf") if record else "hf")
-    hf = load_hf_model(path, config)
+    hf = load_hf_model(path, config, spec)
     arch = register_arch(config.to_dict())
     model = ForeignLM(hf, fam, arch=arch)
+    mark_added(model, (record or {}).get("added_parameters") or [], spec)
     check = logits_check(model)
     if not check["passed"]:
         raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
@@ -298,11 +491,15 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                            hint="report it with the model's config.json")
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
     cfg = RunConfig(model=model.cfg, data=eval_data(record, data, seq_len, model.max_seq_len))
+    tok = model_tokenizer(path, record, cfg.data.source, model.cfg.vocab_size)
     described = {"source": spec, **where, "arch": arch, "model_type": config.model_type,
                  "architectures": list(getattr(config, "architectures", None) or []),
                  "weights": [w.name for w in weights], "transformers": _transformers().__version__,
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
-                 "logits_check": check, "config": config.to_dict(), "exported_from": record}
+                 "tokenizer": "token ids alone (the data is pretokenised; the directory has no tokenizer)"
+                 if tok.kind == "ids" else "the model's own",
+                 "logits_check": check, "config": config.to_dict(), "exported_from": record,
+                 "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
     return LoadedRun(model, cfg, tok, run, weights[0], None)
