@@ -88,12 +88,12 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    from cemtool.fileio import read_json
+
     p = Path(path)
+    data = read_json(p, "tokenizer file")  # regular, bounded: one-line errors
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
         return Tokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])), data["cemtool_kind"])
-    except FileNotFoundError:
-        raise CemtoolError(f"tokenizer file {p} is missing") from None
     except (ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises plain Exception
         raise CemtoolError(f"tokenizer file {p} is corrupt: {str(e).splitlines()[0][:200]}") from None
 
