@@ -90,22 +90,50 @@ def read_bytes(path: str | Path, what: str = "file", limit: int | None = None) -
 # --------------------------------------------------------------------------------------------------------------
 # bounded parsing
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-_TOML_SKIP = re.compile(rb'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"(?:[^"\\\n]|\\.)*"|\'[^\'\n]*\'|#[^\n]*')
+_TOML_SKIP = re.compile(rb'"""[\s\S]*?"""|\'\'\'[\s\S]*?\'\'\'|"[^"\\\n]*(?:\\.[^"\\\n]*)*"|\'[^\'\n]*\'|#[^\n]*')
+_PLAIN_STRING = re.compile(rb'"[^"]*"')
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _DELTA = tuple(1 if b in b"[{" else -1 if b in b"]}" else 0 for b in range(256))
 
 
-def nesting(data: bytes, strings: re.Pattern = _JSON_STRING) -> int:
-    """How deeply [] and {} nest in ``data`` outside its strings, without parsing it (linear, in C loops)."""
-    brackets = strings.sub(b"", data).translate(None, _NOT_BRACKET)
+def _json_outside_strings(data: bytes) -> bytes:
+    """The JSON text outside its strings: once escaped backslashes and quotes are dropped, every other quote
+    delimits a string (linear; an unterminated string's brackets count, in text json.loads refuses anyway)."""
+    return _PLAIN_STRING.sub(b"", data.replace(b"\\\\", b"").replace(b'\\"', b""))
+
+
+def _toml_outside_strings(data: bytes) -> bytes:
+    return _TOML_SKIP.sub(b"", data)
+
+
+def nesting(data: bytes, outside=_json_outside_strings) -> int:
+    """How deeply [] and {} nest in ``data`` outside its strings (``outside``: JSON's or TOML's rule), without
+    parsing it. At most MAX_DEPTH brackets in all are returned as their number (a bound: enough to know the limit
+    holds)."""
+    brackets = outside(data).translate(None, _NOT_BRACKET)
     if len(brackets) <= MAX_DEPTH:
-        return len(brackets)  # a bound, enough to know the limit holds
+        return len(brackets)
+    if len(brackets) > _CHUNK:  # many brackets: the running sum in numpy, chunk by chunk (flat memory)
+        return _numpy_nesting(brackets)
     return max(accumulate(map(_DELTA.__getitem__, brackets)), default=0)
 
 
-def _check_depth(data: bytes, strings: re.Pattern) -> None:
-    if nesting(data, strings) > MAX_DEPTH:
+_CHUNK = 1 << 22
+
+
+def _numpy_nesting(brackets: bytes) -> int:
+    import numpy as np
+
+    delta, ids = np.array(_DELTA, dtype=np.int8), np.frombuffer(brackets, np.uint8)
+    top = level = 0
+    for i in range(0, len(ids), _CHUNK):
+        run = np.cumsum(delta[ids[i:i + _CHUNK]], dtype=np.int64) + level
+        top, level = max(top, int(run.max())), int(run[-1])
+    return top
+
+
+def _check_depth(data: bytes, outside) -> None:
+    if nesting(data, outside) > MAX_DEPTH:
         raise DepthError(f"nested deeper than {MAX_DEPTH} levels")
 
 
@@ -113,7 +141,7 @@ def loads_json(data: str | bytes) -> Any:
     """json.loads of a str or of UTF-8 bytes, refusing text nested deeper than MAX_DEPTH (DepthError) before
     parsing it. Raises ValueError (JSONDecodeError, DepthError, UnicodeDecodeError) for anything else."""
     raw, text = (data.encode("utf-8", "surrogatepass"), data) if isinstance(data, str) else (data, data.decode())
-    _check_depth(raw, _JSON_STRING)
+    _check_depth(raw, _json_outside_strings)
     try:
         return json.loads(text)
     except RecursionError:  # not reached below MAX_DEPTH; kept so that no parse can end in a RecursionError
@@ -127,7 +155,7 @@ def loads_toml(text: str) -> Any:
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]
 
-    _check_depth(text.encode("utf-8", "surrogatepass"), _TOML_SKIP)
+    _check_depth(text.encode("utf-8", "surrogatepass"), _toml_outside_strings)
     try:
         return tomllib.loads(text)
     except RecursionError:

@@ -178,6 +178,25 @@ def test_deep_json_is_refused_before_parsing(tmp_path):
         read_json(tmp_path / "obj.json", "report")
 
 
+@pytest.mark.parametrize("text, deep", [
+    ('["\\\\", ' + "[" * 100 + "]" * 100 + "]", True),  # an escaped backslash ends nothing: the string closes
+    ('["\\"' + "[" * 200 + '"]', False),  # an escaped quote does not close the string: its brackets are text
+    ('{"a": "' + "{" * 200 + '", "b": [1, [2]]}', False),
+    ("[" * 10 + "]" * 10 + "[" * 101 + "]" * 101, True),
+    ("[" + ",".join(["[]"] * 2_200_000) + "]", False),  # many brackets, shallow (the numpy path)
+    ("[" + ",".join(["[]"] * 2_200_000) + "," + "[" * 101 + "]" * 101 + "]", True),
+])
+def test_nesting_is_counted_outside_strings(text, deep):
+    assert (fileio.nesting(text.encode()) > fileio.MAX_DEPTH) is deep
+    if len(text) > 1000:
+        return
+    if not deep:
+        assert fileio.loads_json(text) == json.loads(text)
+    else:
+        with pytest.raises(fileio.DepthError):
+            fileio.loads_json(text)
+
+
 def test_oversized_json_is_refused_unread(tmp_path, monkeypatch):
     monkeypatch.setattr(fileio, "MAX_FILE_BYTES", 1000)
     (tmp_path / "big.json").write_text(json.dumps(["x" * 2000]))
