@@ -186,7 +186,7 @@ def read_jsonl(path: str | Path, skipped: list[str] | None = None) -> list[dict]
     given a note and no rows (so that one planted FIFO does not hide every other run of a listing)."""
     p = Path(path)
     try:
-        fd = open_regular(p, "metrics file")
+        fd = open_regular(p, "file")
     except FileNotFoundError:
         return []
     except CemtoolError as e:

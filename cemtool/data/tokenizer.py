@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json
 
 
 class Tokenizer:
@@ -88,8 +89,6 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    from cemtool.fileio import read_json
-
     p = Path(path)
     data = read_json(p, "tokenizer file")  # regular, bounded: one-line errors
     try:
