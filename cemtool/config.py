@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cemtool.errors import ConfigError, UsageError, did_you_mean
+from cemtool.errors import CemtoolError, ConfigError, UsageError, did_you_mean
+from cemtool.fileio import DepthError, loads_json, loads_toml, read_bytes
 
 
 class OverrideError(ConfigError, UsageError):
@@ -361,7 +362,9 @@ def parse_override(item: str) -> dict:
     if not key or any(not p for p in key.split(".")):
         raise OverrideError(f"--set {item!r}: empty key")
     try:
-        value = json.loads(raw)
+        value = loads_json(raw)
+    except DepthError as e:
+        raise ConfigError(f"--set {key}: the value is {e}") from None
     except json.JSONDecodeError:
         value = raw
     if is_section(key) and not isinstance(value, dict):
@@ -380,34 +383,30 @@ CONFIG_FORMATS = "TOML (named *.toml) or JSON (any other name); not YAML"
 
 
 def load_file(path: str | Path) -> dict:
-    """Read a TOML (``*.toml``) or JSON (any other name) config file into a dict (not yet validated); YAML
-    (``*.yaml``, ``*.yml``) is refused with one line saying which formats are read."""
+    """Read a TOML (``*.toml``) or JSON (any other name) config file into a dict (not yet validated): a regular
+    file of at most ``fileio.MAX_FILE_BYTES``, nested at most ``fileio.MAX_DEPTH`` levels (:mod:`cemtool.fileio`);
+    YAML (``*.yaml``, ``*.yml``) is refused with one line saying which formats are read."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ConfigError(f"config file {p} does not exist")
     if p.suffix.lower() in (".yaml", ".yml"):
         raise ConfigError(f"config file {p} is YAML: cemtool reads config files in {CONFIG_FORMATS}",
                           hint="write it as TOML (same keys: [model] d_model = 64) or JSON; `cemtool config` prints "
                                "a resolved config as JSON")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = read_bytes(p, "config file").decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"config file {p} is not UTF-8 text") from None
-    if p.suffix.lower() == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib  # type: ignore[no-redef]
-        try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-    else:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {p} is not valid JSON: {e.msg} at line {e.lineno}",
-                              hint=f"cemtool reads config files in {CONFIG_FORMATS}") from None
+    except CemtoolError as e:  # a FIFO, a device, too large
+        raise ConfigError(e.message, hint=e.hint) from None
+    toml = p.suffix.lower() == ".toml"
+    try:
+        data = loads_toml(text) if toml else loads_json(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid JSON: {e.msg} at line {e.lineno}",
+                          hint=f"cemtool reads config files in {CONFIG_FORMATS}") from None
+    except ValueError as e:  # TOMLDecodeError, fileio.DepthError
+        raise ConfigError(f"config file {p} is not valid {'TOML' if toml else 'JSON'}: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {p} must hold a table/object at the top level")
     return data

@@ -80,6 +80,7 @@ from cemtool.config import replace as replace_config
 from cemtool.data.corpus import Corpus, load_corpus
 from cemtool.distributed import all_gather, all_reduce_sum, check_same_device, current, init_distributed, shard
 from cemtool.errors import CemtoolError
+from cemtool.fileio import check_regular, read_bytes
 from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
 from cemtool.runs import Run, atomic_write_bytes, create_run, find_checkpoint, is_run, load_run, open_run, read_json
@@ -240,6 +241,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     length ends in byte 0x80 for pickles.]"""
     from safetensors import safe_open
 
+    check_regular(path, "checkpoint")
     with safe_open(str(path), framework="pt") as f:
         header = json.loads((f.metadata() or {})["cemtool"])
         weights = {k[len("model."):]: f.get_tensor(k) for k in f.keys() if k.startswith("model.")}
@@ -356,9 +358,9 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
                          extra_meta={"parent": str(src.path.resolve()), "kind": "forgetting",
                                      "source_checkpoint": ckpt_path.name, "source_step": ckpt_step,
                                      "corpus": target_corpus.info}, tokenizer=tok)
-        if (src.path / "model_source.json").is_file():  # a model cemtool did not train: the fine-tune keeps
+        if (src.path / "model_source.json").exists():  # a model cemtool did not train: the fine-tune keeps
             atomic_write_bytes(run.path / "model_source.json",  # its description (and rebuilds from it)
-                               (src.path / "model_source.json").read_bytes())
+                               read_bytes(src.path / "model_source.json", "model description"))
         return str(run.path), False, None
 
     try:

@@ -32,8 +32,8 @@ def provenance(run_path: str | Path | None = None, *, seed: int | None = None, c
     out = {"run": None if run_path is None else str(run_path), "checkpoint": checkpoint, "step": step,
            "seed": seed, "versions": versions(), "created": now(), "cpu": threads_info()}
     source = Path(run_path) / "model_source.json" if run_path is not None else None
-    if source is not None and source.is_file():
-        out["model_source"] = json.loads(source.read_text(encoding="utf-8"))
+    if source is not None and source.exists():
+        out["model_source"] = read_json(source, "model description")
     out.update(extra)
     return out
 

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from cemtool.config import SCHEMA_VERSION, RunConfig, config_from_run_dict, to_dict
 from cemtool.errors import CemtoolError
+from cemtool.fileio import check_regular, read_json, read_jsonl  # noqa: F401 (read_json, read_jsonl: also from here)
 
 if TYPE_CHECKING:  # torch is imported where tensors are handled, so that reading reports (cemtool plot) is fast
     import torch
@@ -179,38 +180,6 @@ def to_json_value(o: Any, unknown_as_str: bool = False) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def read_jsonl(path: str | Path, skipped: list[str] | None = None) -> list[dict]:
-    """The JSON objects of a .jsonl file, one per line; [] if the file does not exist. A line that is not a JSON
-    object (cut by a kill, garbage, invalid UTF-8) is skipped, with a note appended to ``skipped`` if given."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    rows = []
-    for i, raw in enumerate(p.read_bytes().split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            row, why = json.loads(raw.decode("utf-8")), "not a JSON object"
-        except UnicodeDecodeError:
-            row, why = None, "not UTF-8"
-        except json.JSONDecodeError:
-            row, why = None, "not JSON"
-        if isinstance(row, dict):
-            rows.append(row)
-        elif skipped is not None:
-            skipped.append(f"{p.name} line {i} skipped ({why})")
-    return rows
-
-
-def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise CemtoolError(f"{what} {path} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CemtoolError(f"{what} {path} is corrupt ({str(e)[:120]})") from None
-
-
 # --------------------------------------------------------------------------------------------------------------
 # provenance
 
@@ -255,8 +224,8 @@ def is_hf_dir(path: str | Path) -> bool:
     if not cfg.is_file() or (Path(path) / "meta.json").is_file():
         return False
     try:
-        data = json.loads(cfg.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = read_json(cfg, "config file")
+    except CemtoolError:
         return False
     return isinstance(data, dict) and "model_type" in data and "schema_version" not in data
 
@@ -376,12 +345,14 @@ class Run:
     def lock_held(self) -> bool | None:
         """Whether some process (this one included) holds the run's lock; None if that cannot be told."""
         try:
-            fd = os.open(self.path / ".lock", os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(self.path / ".lock", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO never blocks
         except FileNotFoundError:
             return False
         except OSError:
             return None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None  # a planted FIFO or device: not a lock anyone holds
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True
@@ -749,8 +720,9 @@ def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoin
     from cemtool.tensorfile import read_header
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CemtoolError(f"checkpoint {path} does not exist")
+    check_regular(path, "checkpoint")
     _refuse_pickle(path)
     if manifest and path.name in manifest and manifest[path.name].get("sha256") != _sha256(path):
         raise CemtoolError(f"checkpoint {path} is corrupted (checksum mismatch)",
@@ -995,7 +967,7 @@ def load_run(path: str | Path, checkpoint: str | int = "final", device: str | to
         cfg = replace(cfg, **{"data.source": data})
     tok = load_tokenizer(run.path / "tokenizer.json")
     ckpt = read_checkpoint(find_checkpoint(run, checkpoint), manifest(run))
-    if (run.path / "model_source.json").is_file():  # a run made from a model cemtool did not train (a fine-tune)
+    if (run.path / "model_source.json").exists():  # a run made from a model cemtool did not train (a fine-tune)
         from cemtool.foreign.loader import register_saved
 
         register_saved(run.path)

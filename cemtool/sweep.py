@@ -617,7 +617,7 @@ class Study:
         fd = open_lock_file(self.path / ".manifest.lock")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            disk = read_json(self.path / "study.json", "study manifest")
+            disk = read_manifest(self.path / "study.json")
             mine = {it["name"]: it for it in self.manifest["items"] if it["name"] in (self.owned or ())}
             disk["items"] = [mine.get(it["name"], it) for it in disk["items"]]
             if status is not None:
@@ -648,8 +648,7 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
     out = Path(out)
     path = out / "study.json"
     if path.exists():
-        manifest = read_json(path, "study manifest")
-        _check_manifest(manifest, path)
+        manifest = read_manifest(path)
         stored = Plan.from_dict(manifest["plan"])
         if plan is not None and plan.tuned_from != stored.tuned_from and _same_study(plan.tuned_from,
                                                                                     stored.tuned_from, out):
@@ -703,8 +702,53 @@ def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_manifest(manifest, path: Path) -> None:
-    """study.json as cemtool writes it, or one clear error (a hand-edited or truncated file is not a traceback)."""
+STUDY_STATUSES = ("running", "completed", "incomplete", "interrupted")
+ITEM_STATUSES = ("pending", "running", "completed", "failed", "interrupted")  # of an item and of its analyses
+_RUN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")  # what item_name makes: a folder name inside the study
+_WHOLE_FIELDS = ("step", "tokens", "params", "non_embedding")  # of an item: a whole number >= 0 or null
+_REAL_FIELDS = ("val_loss", "val_floor", "seconds", "flops_per_token", "flops_forward_per_token", "total_flops")
+_PLAN_TYPES = {"archs": "a list of architecture names", "seeds": "a list of whole numbers",
+               "tokens": "a whole number >= 1", "data": "a string", "overrides": "a list of strings",
+               "analyses": f"a list of analyses ({', '.join(ANALYSES)})", "target": "a string or null",
+               "options": "an object of objects, one per analysis", "grid": "a list of strings",
+               "arch_overrides": "an object of lists of strings", "tuned_from": "a string or null"}
+
+
+def read_manifest(path: Path) -> dict:
+    """study.json, validated whole (:func:`check_manifest`): what every reader of a study goes through."""
+    manifest = read_json(path, "study manifest")
+    check_manifest(manifest, path)
+    return manifest
+
+
+def _strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _plan_ok(key: str, v) -> bool:
+    return {"archs": lambda: _strs(v) and bool(v), "seeds": lambda: isinstance(v, list) and bool(v)
+            and all(map(_whole, v)), "tokens": lambda: _whole(v) and v >= 1, "data": lambda: isinstance(v, str),
+            "overrides": lambda: _strs(v), "analyses": lambda: _strs(v) and all(a in ANALYSES for a in v),
+            "target": lambda: v is None or isinstance(v, str), "tuned_from": lambda: v is None or isinstance(v, str),
+            "options": lambda: isinstance(v, dict) and all(isinstance(o, dict) for o in v.values()),
+            "grid": lambda: _strs(v), "arch_overrides": lambda: isinstance(v, dict) and all(map(_strs, v.values()))
+            }[key]()
+
+
+def _number_ok(v, whole: bool) -> bool:
+    if v is None:
+        return True
+    if whole:
+        return _whole(v) and v >= 0
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def check_manifest(manifest, path: Path) -> None:
+    """study.json as cemtool writes it, or one line naming the field that is not (a hand-edited or truncated file
+    is not a traceback, and nothing is written from it): every field's type, statuses from the known sets, known
+    architectures, run names that are plain folder names inside the study, finite numbers."""
+    from cemtool.models.registry import get_arch
+
     def bad(why: str) -> CemtoolError:
         return CemtoolError(f"{path} is not a valid study manifest ({why})",
                             hint="restore it, or start the study afresh in another --out")
@@ -717,33 +761,79 @@ def _check_manifest(manifest, path: Path) -> None:
     if version > SCHEMA_VERSION:
         raise CemtoolError(f"{path} was written by a newer cemtool (study schema {version}, this one reads "
                            f"{SCHEMA_VERSION})", hint="upgrade cemtool")
+    if manifest.get("status", "running") not in STUDY_STATUSES:
+        raise bad(f"status {manifest.get('status')!r} is not one of {', '.join(STUDY_STATUSES)}")
+    for key in ("created", "updated"):
+        if not isinstance(manifest.get(key), (str, type(None))):
+            raise bad(f"{key} {manifest.get(key)!r} is not a time")
     plan = manifest.get("plan")
     if not isinstance(plan, dict):
         raise bad("no plan")
-    try:
-        p = Plan.from_dict(plan)
-    except TypeError as e:
-        raise bad(f"its plan: {e}") from None
-    if not (all(isinstance(a, str) for a in p.archs) and all(map(_whole, p.seeds)) and _whole(p.tokens)):
-        raise bad("its plan's archs, seeds or tokens have the wrong types")
+    for key in ("archs", "seeds", "tokens"):
+        if key not in plan:
+            raise bad(f"plan.{key} is missing")
+    for key, what in _PLAN_TYPES.items():
+        if key in plan and not _plan_ok(key, plan[key]):
+            raise bad(f"plan.{key} {_short(plan[key])} is not {what}")
+    for a in plan["archs"]:
+        try:
+            get_arch(a)
+        except CemtoolError:
+            raise bad(f"plan.archs: unknown architecture {a!r}") from None
     items = manifest.get("items")
     if not isinstance(items, list):
         raise bad("no list of items")
+    seen: set[str] = set()
     for k, it in enumerate(items):
-        if not isinstance(it, dict):
-            raise bad(f"item {k} is not an object")
-        for key, types in (("name", str), ("arch", str), ("run", str), ("status", str), ("analyses", dict)):
-            if not isinstance(it.get(key), types):
-                raise bad(f"item {k} has no {key}")
-        if it["run"] in ("", ".", "..") or "/" in it["run"] or "\\" in it["run"] or it["run"].startswith("."):
-            raise bad(f"item {it['name']}: run {it['run']!r} is not a folder name inside the study")
-        if not _whole(it.get("seed")):
-            raise bad(f"item {it['name']}: seed {it.get('seed')!r} is not a whole number")
-        v = it.get("val_loss")
-        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool)):
-            raise bad(f"item {it['name']}: val_loss {v!r} is not a number")
-        if any(not isinstance(a, dict) or not isinstance(a.get("status"), str) for a in it["analyses"].values()):
-            raise bad(f"item {it['name']}: an analysis has no status")
+        _check_item(it, f"items[{k}]", plan, seen, bad)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_item(it, where: str, plan: dict, seen: set[str], bad) -> None:
+    if not isinstance(it, dict):
+        raise bad(f"{where} is not an object")
+    for key, types in (("name", str), ("arch", str), ("run", str), ("status", str), ("analyses", dict)):
+        if not isinstance(it.get(key), types):
+            raise bad(f"{where}.{key} is missing or not a {'string' if types is str else 'object'}")
+    for key in ("name", "run"):
+        if len(it[key]) > MAX_RUN_NAME or not _RUN_NAME.fullmatch(it[key]):
+            raise bad(f"{where}.{key} {_short(it[key])} is not a plain folder name inside the study")
+    if it["name"] in seen:
+        raise bad(f"{where}.name {it['name']!r} is given twice")
+    seen.add(it["name"])
+    if it["arch"] not in plan["archs"]:
+        raise bad(f"{where}.arch {it['arch']!r} is not among plan.archs")
+    if not _whole(it.get("seed")):
+        raise bad(f"{where}.seed {_short(it.get('seed'))} is not a whole number")
+    if it["status"] not in ITEM_STATUSES:
+        raise bad(f"{where}.status {_short(it['status'])} is not one of {', '.join(ITEM_STATUSES)}")
+    if not isinstance(it.get("error"), (str, type(None))):
+        raise bad(f"{where}.error is not a string or null")
+    point = it.get("point", {})
+    if not isinstance(point, dict) or not all(isinstance(v, str) for v in point.values()):
+        raise bad(f"{where}.point is not an object of strings")
+    for key in (*_WHOLE_FIELDS, *_REAL_FIELDS):
+        if not _number_ok(it.get(key), key in _WHOLE_FIELDS):
+            raise bad(f"{where}.{key} {_short(it.get(key))} is not a "
+                      f"{'whole number >= 0' if key in _WHOLE_FIELDS else 'finite number'} or null")
+    for name, a in it["analyses"].items():
+        at = f"{where}.analyses.{name}"
+        if name not in ANALYSES:
+            raise bad(f"{at}: unknown analysis (known: {', '.join(ANALYSES)})")
+        if not isinstance(a, dict) or a.get("status") not in ITEM_STATUSES:
+            raise bad(f"{at}.status {_short(a.get('status') if isinstance(a, dict) else a)} is not one of "
+                      f"{', '.join(ITEM_STATUSES)}")
+        for key in ("report", "error", "run"):
+            if not isinstance(a.get(key), (str, type(None))):
+                raise bad(f"{at}.{key} is not a string or null")
+        if a.get("run") is not None and (len(a["run"]) > 255 or not _RUN_NAME.fullmatch(a["run"])):
+            raise bad(f"{at}.run {_short(a['run'])} is not a plain folder name inside the study")
+        if not _number_ok(a.get("seconds"), False):
+            raise bad(f"{at}.seconds {_short(a.get('seconds'))} is not a finite number or null")
 
 
 def _value(key: str, v: str) -> str:
@@ -1098,7 +1188,7 @@ def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: 
 
 def _work(path: Path, dev: torch.device, sweep_id: str, parent: int) -> None:
     """Claim, train and analyse items until none is left to this sweep."""
-    study = Study(path, read_json(path / "study.json", "study manifest"))
+    study = Study(path, read_manifest(path / "study.json"))
     study.owned = set()
     corpora: dict[str, object] = {}
     for name in [it["name"] for it in study.manifest["items"]]:

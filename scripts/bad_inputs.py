@@ -349,9 +349,192 @@ def cases_hf() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def npy_bytes(header: str, data: bytes = b"", version: int = 1) -> bytes:
+    """A .npy file with a hand-written header (numpy's layout: magic, version, length, header padded to 64)."""
+    h = header.encode("latin1")
+    h += b" " * (63 - (10 + len(h)) % 64) + b"\n"
+    return b"\x93NUMPY" + bytes([version, 0]) + struct.pack("<H", len(h)) + h + data
+
+
+NPY_HEAD = "{'descr': '<u2', 'fortran_order': False, 'shape': (2000,)}"
+NPY_IDS = bytes(range(50)) * 80  # 2,000 uint16 ids
+
+
+def _npz(ws: Path) -> str:
+    import numpy as np
+
+    np.savez(ws / "ids.npz", ids=np.arange(2000, dtype=np.uint16) % 50)
+    return write(ws / "ids.npy", (ws / "ids.npz").read_bytes())
+
+
+def _object_npy(ws: Path) -> str:
+    import numpy as np
+
+    np.save(ws / "obj.npy", np.array([1, 2, 3], dtype=object), allow_pickle=True)
+    return str(ws / "obj.npy")
+
+
+def fifo(p: Path) -> str:
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    p.unlink(missing_ok=True)
+    os.mkfifo(p)
+    return str(p)
+
+
+def deep(n: int = 100_000) -> str:
+    return "[" * n + "]" * n
+
+
+def _study(ws: Path, edit: Callable[[dict], object] | None = None) -> str:
+    """A planned study (nothing trained) in ws/study, its study.json hand-edited by ``edit``."""
+    from cemtool.sweep import make_plan, new_manifest
+
+    m = new_manifest(make_plan("baseline", "0", tokens=512, overrides=TINY, analyses="collapse"))
+    write(ws / "study" / "study.json", json.dumps(edit(m) if edit else m))
+    return str(ws / "study")
+
+
+def _item0(**changes) -> Callable[[dict], dict]:
+    return lambda m: {**m, "items": [{**m["items"][0], **changes}]}
+
+
+def _plan(**changes) -> Callable[[dict], dict]:
+    return lambda m: {**m, "plan": {**m["plan"], **changes}}
+
+
+def _with_metrics_line(ws: Path, line: str) -> list[str]:
+    with open(ws / "run" / "metrics.jsonl", "a") as f:
+        f.write(line + "\n")
+    return ["runs", str(ws)]
+
+
 def cases_files() -> list[Case]:
     """Cases of issue 20 items 6-8, 12: token files, special files, deep JSON, hand-edited studies."""
-    out: list[Case] = []
+    data = lambda name, blob: lambda ws: _train(ws, "--data", write(ws / name, blob))  # noqa: E731
+    out: list[Case] = [
+        # item 6: malformed token files, one line each
+        Case("train: .npy header not a Python literal", "6",
+             data("h.npy", npy_bytes(NPY_HEAD.replace("(2000,)}", "(2000,}"), NPY_IDS)), words=("does not parse",)),
+        Case("train: .npy header calling code", "6",
+             data("c.npy", npy_bytes(NPY_HEAD.replace("(2000,)", "__import__('os')"), NPY_IDS)),
+             words=("does not parse",)),
+        Case("train: .npz renamed .npy", "6", lambda ws: _train(ws, "--data", _npz(ws)), words=("zip archive",)),
+        Case("train: text named .npy", "6", data("t.npy", "not numpy\n" * 50), words=("no .npy header",)),
+        Case("train: pickle named .npy", "6", data("p.npy", pickle.dumps(list(range(100)))), words=("a pickle",)),
+        Case("train: empty .npy", "6", data("e.npy", b""), words=("no .npy header",)),
+        Case("train: .npy of object dtype", "6", lambda ws: _train(ws, "--data", _object_npy(ws)),
+             words=("Python objects",)),
+        Case("train: .npy in fortran order, 2-D", "6",
+             data("f.npy", npy_bytes("{'descr': '<u2', 'fortran_order': True, 'shape': (40, 50)}", NPY_IDS)),
+             words=("not a flat",)),
+        Case("train: .npy truncated data", "6",
+             data("tr.npy", npy_bytes(NPY_HEAD.replace("2000,", "9000,"), NPY_IDS)), words=("truncated",)),
+        Case("train: .npy truncated header", "6", data("th.npy", npy_bytes(NPY_HEAD)[:30]), words=("does not parse",)),
+        Case("train: .npy of an unknown format version", "6", data("v.npy", npy_bytes(NPY_HEAD, NPY_IDS, version=9)),
+             words=("format version 9",)),
+        Case("train: .npy of negative length", "6",
+             data("n.npy", npy_bytes(NPY_HEAD.replace("2000,", "-5,"), NPY_IDS)), words=("negative",)),
+        Case("train: .npy of float values", "6",
+             data("fl.npy", npy_bytes(NPY_HEAD.replace("<u2", "<f2"), NPY_IDS)), words=("not integer token ids",)),
+        Case("train: .npy named .bin", "6", data("n.bin", npy_bytes(NPY_HEAD, NPY_IDS)), words=("is a NumPy .npy",)),
+        Case("train: .bin of an odd size", "6", data("o.bin", b"\1\0\2"), words=("not a multiple of 2",)),
+        # item 7: FIFOs (and folders) where files are read: one line or a note, never a wait
+        Case("runs: meta.json is a FIFO", "7",
+             lambda ws: (fifo(ws / "run" / "meta.json"), ["runs", str(ws), "--json"])[1], expect="ok",
+             words=("a FIFO",)),
+        Case("runs: metrics.jsonl is a FIFO", "7",
+             lambda ws: (fifo(ws / "run" / "metrics.jsonl"), ["runs", str(ws)])[1], expect="ok", words=("a FIFO",)),
+        Case("runs: .lock is a FIFO", "7", lambda ws: (fifo(ws / "run" / ".lock"), ["runs", str(ws / "run")])[1],
+             expect="ok", words=("completed",)),
+        Case("resume: .lock is a FIFO", "7",
+             lambda ws: (set_status(ws / "run", "interrupted"), fifo(ws / "run" / ".lock"),
+                         ["train", "--resume", str(ws / "run"), "--quiet"])[-1], words=("not a plain file",)),
+        *[Case(f"sharpness: {name} is a FIFO", "7", lambda ws, n=name: (fifo(ws / "run" / n), _sharp(ws))[1],
+               words=("a FIFO, not a regular file",))
+          for name in ("config.json", "tokenizer.json", "checkpoints/manifest.json", "checkpoints/final.safetensors",
+                       "model_source.json")],
+        Case("sharpness: tokenizer.json is a folder", "7",
+             lambda ws: ((ws / "run" / "tokenizer.json").unlink(), (ws / "run" / "tokenizer.json").mkdir(),
+                         _sharp(ws))[-1], words=("a folder, not a regular file",)),
+        Case("plot: metrics.jsonl is a FIFO", "7",
+             lambda ws: (fifo(ws / "run" / "metrics.jsonl"), ["plot", str(ws / "run")])[1], words=("a FIFO",)),
+        Case("compare: meta.json is a FIFO", "7",
+             lambda ws: (fifo(ws / "run" / "meta.json"), ["compare", str(ws / "run"), "--out", str(ws / "out")])[1],
+             words=("a FIFO",)),
+        Case("compare: study.json is a FIFO", "7",
+             lambda ws: ["compare", (fifo(ws / "st" / "study.json"), str(ws / "st"))[1]], words=("a FIFO",)),
+        Case("sweep --resume: study.json is a FIFO", "7",
+             lambda ws: ["sweep", "--resume", (fifo(ws / "st" / "study.json"), str(ws / "st"))[1], "-q"],
+             words=("a FIFO",)),
+        Case("train: --config is a FIFO", "7", lambda ws: _train(ws, "--config", fifo(ws / "c.toml")),
+             words=("a FIFO",)),
+        Case("train: --data is a FIFO", "7", lambda ws: _train(ws, "--data", fifo(ws / "d.txt")),
+             words=("not a regular file",)),
+        Case("train: --data token file is a FIFO", "7", lambda ws: _train(ws, "--data", fifo(ws / "d.npy")),
+             words=("a FIFO",)),
+        Case("train: data.tokenizer is a FIFO", "7",
+             lambda ws: _train(ws, "--data", write(ws / "i.bin", NPY_IDS), "--set",
+                               f"data.tokenizer={fifo(ws / 'tok.json')}"), words=("a FIFO",)),
+        # item 8: deeply nested JSON / TOML (100,000 levels): one line, or a skipped line with a note
+        Case("runs: a 100,000-deep line in metrics.jsonl", "8", lambda ws: _with_metrics_line(ws, deep()),
+             expect="ok", words=("nested deeper than",)),
+        Case("runs: meta.json 100,000 deep", "8",  # --json: a table would cut the long status
+             lambda ws: (write(ws / "run" / "meta.json", deep()), ["runs", str(ws), "--json"])[1], expect="ok",
+             words=("nested deeper than",)),
+        *[Case(f"sharpness: {name} 100,000 deep", "8",
+               lambda ws, n=name: (write(ws / "run" / n, deep()), _sharp(ws))[1], words=("nested deeper than",))
+          for name in ("config.json", "tokenizer.json", "checkpoints/manifest.json")],
+        Case("resume: meta.json 100,000 deep", "8",
+             lambda ws: (write(ws / "run" / "meta.json", deep()),
+                         ["train", "--resume", str(ws / "run"), "--quiet"])[1], words=("nested deeper than",)),
+        Case("train: JSON config 100,000 deep", "8",
+             lambda ws: _train(ws, "--config", write(ws / "c.json", '{"model": ' + deep() + "}")),
+             words=("nested deeper than",)),
+        Case("train: TOML config, array 100,000 deep", "8",
+             lambda ws: _train(ws, "--config", write(ws / "c.toml", "x = " + deep() + "\n")),
+             words=("nested deeper than",)),
+        Case("train: TOML config, inline table 100,000 deep", "8",
+             lambda ws: _train(ws, "--config", write(ws / "c.toml", "x = " + "{a = " * 100_000 + "1" +
+                                                     "}" * 100_000 + "\n")), words=("nested deeper than",)),
+        Case("train: --set value 100,000 deep", "8", lambda ws: _train(ws, "--set", "model.d_model=" + deep()),
+             words=("nested deeper than",)),
+        Case("sweep --resume: study.json 100,000 deep", "8",
+             lambda ws: ["sweep", "--resume", (write(ws / "st" / "study.json", deep()), str(ws / "st"))[1], "-q"],
+             words=("nested deeper than",)),
+        Case("train: tokenizer.json 100,000 deep", "8",
+             lambda ws: _train(ws, "--data", write(ws / "i.bin", NPY_IDS), "--set",
+                               f"data.tokenizer={write(ws / 'tok.json', deep())}"), words=("nested deeper than",)),
+        # item 12: hand-edited studies, one line naming the field, nothing written
+        Case("compare: study.json is []", "12", lambda ws: ["compare", _study(ws, lambda m: [])],
+             words=("not a cemtool-study object",)),
+        Case("compare: study item status bogus", "12", lambda ws: ["compare", _study(ws, _item0(status="bogus"))],
+             words=("items[0].status 'bogus'",)),
+        Case("sweep --resume: item status bogus", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _item0(status="bogus")), "-q"],
+             words=("items[0].status 'bogus'",)),
+        Case("sweep --resume: plan.archs [nosuch]", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _plan(archs=["nosuch"])), "-q"],
+             words=("unknown architecture 'nosuch'",)),
+        Case("sweep --resume: item named ../evil", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _item0(name="../evil", run="../evil")), "-q"],
+             words=("items[0].name '../evil'",)),
+        Case("sweep --resume: item val_loss NaN", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _item0(val_loss=float("nan"))), "-q"],
+             words=("val_loss nan is not a finite number",)),
+        Case("sweep --resume: plan.tokens -1", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _plan(tokens=-1)), "-q"], words=("plan.tokens -1",)),
+        Case("sweep --resume: study status bogus", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, lambda m: {**m, "status": "bogus"}), "-q"],
+             words=("status 'bogus'",)),
+        Case("sweep --resume: analysis status bogus", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, _item0(analyses={"collapse": {"status": "bogus"}})), "-q"],
+             words=("analyses.collapse.status 'bogus'",)),
+        Case("sweep --resume: duplicate item names", "12",
+             lambda ws: ["sweep", "--resume", _study(ws, lambda m: {**m, "items": m["items"] * 2}), "-q"],
+             words=("is given twice",)),
+    ]
     return out
 
 

@@ -316,7 +316,7 @@ def test_handmade_checkpoint_headers_are_one_line_errors(tmp_path, tiny_run, hea
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the bad-input tally (the fast cases of items 7, 11-13; `python scripts/bad_inputs.py` runs them all)
+# the bad-input tally (the fast cases of items 6-8, 11-13; `python scripts/bad_inputs.py` runs them all)
 
 
 def test_bad_inputs_script_fast_cases_are_clean(tmp_path, tiny_run):
@@ -325,7 +325,7 @@ def test_bad_inputs_script_fast_cases_are_clean(tmp_path, tiny_run):
         import bad_inputs
     finally:
         sys.path.pop(0)
-    results = bad_inputs.run_cases(tmp_path, Path(tiny_run), fast_only=True, items=("7", "11", "12", "13"))
+    results = bad_inputs.run_cases(tmp_path, Path(tiny_run), fast_only=True, items=("6", "7", "8", "11", "12", "13"))
     assert len(results) >= 15
     unclean = [(r["case"], r["why"]) for r in results if not r["clean"]]
     assert not unclean, unclean

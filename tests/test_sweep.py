@@ -304,27 +304,116 @@ def test_a_linked_run_folder_is_refused_not_followed(tmp_path):
     assert manifest(out)["status"] == "incomplete"
 
 
-@pytest.mark.parametrize("edit, message", [
+def item0(m: dict, **changes) -> dict:
+    return {**m, "items": [{**m["items"][0], **changes}, *m["items"][1:]]}
+
+
+def analysis0(m: dict, **changes) -> dict:
+    it = m["items"][0]
+    return item0(m, analyses={**it["analyses"], "collapse": {**it["analyses"]["collapse"], **changes}})
+
+
+CORRUPT_MANIFESTS = [
     (lambda m: [m], "not a cemtool-study object"),
+    (lambda m: [], "not a cemtool-study object"),
     (lambda m: {k: v for k, v in m.items() if k != "plan"}, "no plan"),
     (lambda m: {**m, "schema_version": "2"}, "schema_version '2' is not a whole number"),
     (lambda m: {**m, "schema_version": 99}, "written by a newer cemtool"),
-    (lambda m: {**m, "plan": {}}, "its plan"),
-    (lambda m: {**m, "items": [{k: v for k, v in m["items"][0].items() if k != "status"}]}, "item 0 has no status"),
-    (lambda m: {**m, "items": [{**m["items"][0], "val_loss": "abc"}]}, "val_loss 'abc' is not a number"),
-    (lambda m: {**m, "items": [{**m["items"][0], "run": "../elsewhere"}]}, "is not a folder name inside the study"),
-    (lambda m: {**m, "plan": {**m["plan"], "seeds": ["0"]}}, "have the wrong types"),
-])
-def test_a_corrupt_manifest_is_one_line(edit, message, tmp_path):
+    (lambda m: {**m, "status": "bogus"}, "status 'bogus' is not one of running"),
+    (lambda m: {**m, "updated": 5}, "updated 5 is not a time"),
+    (lambda m: {**m, "plan": {}}, "plan.archs is missing"),
+    (lambda m: {**m, "plan": {**m["plan"], "archs": ["nosuch"]}}, "plan.archs: unknown architecture 'nosuch'"),
+    (lambda m: {**m, "plan": {**m["plan"], "archs": "baseline"}}, "plan.archs 'baseline' is not a list"),
+    (lambda m: {**m, "plan": {**m["plan"], "seeds": ["0"]}}, "plan.seeds ['0'] is not a list of whole numbers"),
+    (lambda m: {**m, "plan": {**m["plan"], "seeds": [True]}}, "plan.seeds [True] is not a list of whole numbers"),
+    (lambda m: {**m, "plan": {**m["plan"], "tokens": -1}}, "plan.tokens -1 is not a whole number >= 1"),
+    (lambda m: {**m, "plan": {**m["plan"], "tokens": 1e400}}, "plan.tokens inf is not a whole number"),
+    (lambda m: {**m, "plan": {**m["plan"], "data": 3}}, "plan.data 3 is not a string"),
+    (lambda m: {**m, "plan": {**m["plan"], "overrides": [1]}}, "plan.overrides [1] is not a list of strings"),
+    (lambda m: {**m, "plan": {**m["plan"], "analyses": ["magic"]}}, "plan.analyses ['magic'] is not a list of"),
+    (lambda m: {**m, "plan": {**m["plan"], "options": {"collapse": 3}}}, "plan.options {'collapse': 3} is not an"),
+    (lambda m: {**m, "plan": {**m["plan"], "grid": "train.lr=1"}}, "plan.grid 'train.lr=1' is not a list"),
+    (lambda m: {**m, "plan": {**m["plan"], "arch_overrides": {"baseline": "x"}}}, "plan.arch_overrides"),
+    (lambda m: {**m, "plan": {**m["plan"], "target": 7}}, "plan.target 7 is not a string or null"),
+    (lambda m: {**m, "items": {}}, "no list of items"),
+    (lambda m: {**m, "items": [3]}, "items[0] is not an object"),
+    (lambda m: {**m, "items": [{k: v for k, v in m["items"][0].items() if k != "status"}]},
+     "items[0].status is missing"),
+    (lambda m: item0(m, status="bogus"), "items[0].status 'bogus' is not one of pending"),
+    (lambda m: item0(m, name="../evil"), "items[0].name '../evil' is not a plain folder name inside the study"),
+    (lambda m: item0(m, run="../elsewhere"), "items[0].run '../elsewhere' is not a plain folder name"),
+    (lambda m: item0(m, run=".hidden"), "items[0].run '.hidden' is not a plain folder name"),
+    (lambda m: item0(m, name="x" * 151), "is not a plain folder name"),
+    (lambda m: {**m, "items": [m["items"][0], m["items"][0]]}, "items[1].name 'baseline-s0' is given twice"),
+    (lambda m: item0(m, arch="tmm"), "items[0].arch 'tmm' is not among plan.archs"),
+    (lambda m: item0(m, seed=1.5), "items[0].seed 1.5 is not a whole number"),
+    (lambda m: item0(m, error=["x"]), "items[0].error is not a string or null"),
+    (lambda m: item0(m, point={"train.lr": 3}), "items[0].point is not an object of strings"),
+    (lambda m: item0(m, val_loss="abc"), "items[0].val_loss 'abc' is not a finite number or null"),
+    (lambda m: item0(m, val_loss=float("nan")), "items[0].val_loss nan is not a finite number"),
+    (lambda m: item0(m, seconds=float("inf")), "items[0].seconds inf is not a finite number"),
+    (lambda m: item0(m, step=-3), "items[0].step -3 is not a whole number >= 0"),
+    (lambda m: item0(m, tokens=True), "items[0].tokens True is not a whole number"),
+    (lambda m: item0(m, analyses={"magic": {"status": "pending"}}), "items[0].analyses.magic: unknown analysis"),
+    (lambda m: analysis0(m, status="bogus"), "items[0].analyses.collapse.status 'bogus' is not one of"),
+    (lambda m: analysis0(m, report=3), "items[0].analyses.collapse.report is not a string or null"),
+    (lambda m: analysis0(m, run="../../x"), "items[0].analyses.collapse.run '../../x' is not a plain folder"),
+    (lambda m: analysis0(m, seconds=float("nan")), "items[0].analyses.collapse.seconds nan is not a finite"),
+]
+
+
+@pytest.fixture(scope="module")
+def plain_manifest(tmp_path_factory) -> dict:
+    """study.json of a planned study (baseline, seed 0, collapse), nothing trained."""
     from cemtool.sweep import open_study
 
+    out = tmp_path_factory.mktemp("plain") / "study"
+    open_study(out, make_plan("baseline", "0", tokens=TOKENS, overrides=TINY, analyses="collapse")).save()
+    return manifest(out)
+
+
+def hand_edited(tmp_path: Path, m: dict, edit) -> Path:
     out = tmp_path / "study"
-    open_study(out, make_plan("baseline", "0", tokens=TOKENS, overrides=TINY)).save()
-    (out / "study.json").write_text(json.dumps(edit(manifest(out))))
+    out.mkdir()
+    (out / "study.json").write_text(json.dumps(edit(json.loads(json.dumps(m)))))
+    return out
+
+
+@pytest.mark.parametrize("edit, message", CORRUPT_MANIFESTS)
+def test_a_corrupt_manifest_is_one_line_naming_the_field(edit, message, tmp_path, plain_manifest):
+    """Issue 20 item 12: the whole manifest is validated on open (every reader goes through read_manifest)."""
+    from cemtool.sweep import read_manifest
+
+    out = hand_edited(tmp_path, plain_manifest, edit)
+    with pytest.raises(CemtoolError) as e:
+        read_manifest(out / "study.json")
+    assert message in e.value.message and "\n" not in e.value.message
+
+
+SWEEP_CASES = [CORRUPT_MANIFESTS[i] for i in (1, 5, 8, 24, 25, 35)]  # [], bogus statuses, nosuch, ../evil, NaN
+
+
+@pytest.mark.parametrize("edit, message", SWEEP_CASES)
+def test_sweep_resume_of_a_hand_edited_study_is_refused_and_writes_nothing(edit, message, tmp_path,
+                                                                           plain_manifest):
+    """One line naming the field; nothing is written (no run folder is made, inside the study or outside it)."""
+    out = hand_edited(tmp_path, plain_manifest, edit)
+    before = snapshot(tmp_path)
     res = runner.invoke(app(), ["sweep", "--resume", str(out), "-q"])
     assert res.exit_code == 1 and res.output.startswith("Error:") and message in res.output.splitlines()[0], \
         res.output
-    assert "Traceback" not in res.output
+    assert "Traceback" not in res.output and len(res.output.strip().splitlines()) <= 2
+    assert snapshot(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["study"]
+    assert sorted(p.name for p in out.iterdir()) in (["study.json"], [".lock", "study.json"])
+
+
+@pytest.mark.parametrize("edit, message", [CORRUPT_MANIFESTS[i] for i in (1, 8, 25)])
+def test_compare_on_a_corrupt_study_is_one_line(edit, message, tmp_path, plain_manifest):
+    out = hand_edited(tmp_path, plain_manifest, edit)
+    res = runner.invoke(app(), ["compare", str(out), "--out", str(tmp_path / "cmp")])
+    assert res.exit_code == 1 and res.output.startswith("Error:") and message in res.output.splitlines()[0], \
+        res.output
+    assert "internal error" not in res.output and not (tmp_path / "cmp").exists()
 
 
 def fake_tuning(out: Path, losses: dict) -> Path:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import mmap
+import os
 import pickle
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -261,3 +264,80 @@ def test_word_level_run_on_text_outside_its_words_is_one_line_naming_the_word(tm
     res = CliRunner().invoke(app, ["sharpness", run, "--data", "pydoc", "--quick", "--device", "cpu", "--quiet"])
     one_line_error(res, "outside the", "word-level")
     assert "internal error" not in res.output and "run's own source" in res.output
+
+
+# --------------------------------------------------------------------------------------------------------------
+# issue 20 item 6: every malformed token file is one line
+
+
+def npy_bytes(header: str, data: bytes = b"", version: int = 1) -> bytes:
+    """A .npy file with a hand-written header (numpy's layout: magic, version, length, header padded to 64)."""
+    h = header.encode("latin1")
+    h += b" " * (63 - (10 + len(h)) % 64) + b"\n"
+    return b"\x93NUMPY" + bytes([version, 0]) + struct.pack("<H", len(h)) + h + data
+
+
+IDS = (np.arange(200) % 50).astype(np.uint16)
+HEAD = "{'descr': '<u2', 'fortran_order': False, 'shape': (200,)}"
+
+
+def npz_bytes() -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, ids=IDS)
+    return buf.getvalue()
+
+
+BAD_TOKEN_FILES = {  # name -> (bytes, words of the one-line error)
+    "header not a literal": ("t.npy", npy_bytes(HEAD.replace("(200,)}", "(200,}"), IDS.tobytes()), "does not parse"),
+    "header calls code": ("t.npy", npy_bytes(HEAD.replace("(200,)", "__import__('os')"), IDS.tobytes()),
+                          "does not parse"),
+    "header lacks a key": ("t.npy", npy_bytes("{'descr': '<u2', 'shape': (200,)}", IDS.tobytes()), "correct keys"),
+    "unknown dtype": ("t.npy", npy_bytes(HEAD.replace("<u2", "zz9"), IDS.tobytes()), "dtype"),
+    "fortran_order not a bool": ("t.npy", npy_bytes(HEAD.replace("False", "'yes'"), IDS.tobytes()), "fortran"),
+    "negative length": ("t.npy", npy_bytes(HEAD.replace("200,", "-5,"), IDS.tobytes()), "negative"),
+    "truncated data": ("t.npy", npy_bytes(HEAD.replace("200,", "100000,"), IDS.tobytes()), "truncated"),
+    "truncated header": ("t.npy", npy_bytes(HEAD)[:30], "does not parse"),
+    "unknown format version": ("t.npy", npy_bytes(HEAD, IDS.tobytes(), version=9), "format version 9"),
+    "empty .npy": ("t.npy", b"", "no .npy header"),
+    "text named .npy": ("t.npy", b"not numpy at all\n" * 10, "no .npy header"),
+    "pickle named .npy": ("t.npy", pickle.dumps(list(range(100))), "a pickle"),
+    ".npz named .npy": ("t.npy", npz_bytes(), "a zip archive"),
+    "bool dtype": ("t.npy", npy_bytes(HEAD.replace("<u2", "|b1"), b"\1" * 200), "not integer token ids"),
+    "fortran order, 2-D": ("t.npy", npy_bytes("{'descr': '<u2', 'fortran_order': True, 'shape': (10, 20)}",
+                                              IDS.tobytes()), "not a flat (N,) array"),
+    ".npy named .bin": ("t.bin", npy_bytes(HEAD, IDS.tobytes()), "is a NumPy .npy file"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_TOKEN_FILES)
+def test_malformed_token_file_is_one_line_error(tmp_path, case):
+    name, data, words = BAD_TOKEN_FILES[case]
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(CemtoolError, match=re.escape(words)) as e:
+        corpus_of(tmp_path / name)
+    assert "\n" not in e.value.message and str(tmp_path / name) in e.value.message
+
+
+def test_object_dtype_npy_header_is_refused_before_any_data_is_read(tmp_path):
+    np.save(tmp_path / "o.npy", np.array([Boom(str(tmp_path / "PWNED"))], dtype=object), allow_pickle=True)
+    with pytest.raises(CemtoolError, match="holds Python objects"):
+        corpus_of(tmp_path / "o.npy")
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_flat_npy_in_fortran_order_or_big_endian_is_read(tmp_path):
+    for head, data in (("{'descr': '<u2', 'fortran_order': True, 'shape': (200,)}", IDS.tobytes()),
+                       ("{'descr': '>u2', 'fortran_order': False, 'shape': (200,)}", IDS.astype(">u2").tobytes())):
+        (tmp_path / "t.npy").write_bytes(npy_bytes(head, data))
+        c = corpus_of(tmp_path / "t.npy", val_fraction=0.1)
+        np.testing.assert_array_equal(np.concatenate([c.train, c.val]), IDS)
+
+
+@pytest.mark.parametrize("name", ["t.npy", "t.bin", "train.bin"])
+def test_fifo_as_token_file_is_refused_without_blocking(tmp_path, name):
+    os.mkfifo(tmp_path / name)
+    source = tmp_path if name == "train.bin" else tmp_path / name
+    with pytest.raises(CemtoolError, match="a FIFO, not a regular file"):
+        corpus_of(source)
+    with pytest.raises(CemtoolError, match="a FIFO, not a regular file"):
+        tokmod.open_tokens(tmp_path / name)  # the one opener, also when a caller names the file itself

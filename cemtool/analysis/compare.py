@@ -266,8 +266,10 @@ class _Finder:
     def add(self, path: Path) -> None:
         if not path.exists():
             raise CemtoolError(f"{path} does not exist")
-        if (path / "study.json").is_file():
-            study = read_json(path / "study.json", "study manifest")
+        if (path / "study.json").exists():  # a FIFO or folder there is refused by read_json, not taken for no study
+            from cemtool.sweep import read_manifest  # validated whole: a hand-edited study is one line
+
+            study = read_manifest(path / "study.json")
             for item in study.get("items", []):
                 run = (path / item["run"]).resolve()
                 if not is_run(run):

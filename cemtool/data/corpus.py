@@ -28,6 +28,7 @@ import torch
 from cemtool.config import DataConfig
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe, word_tokenizer
 from cemtool.errors import CemtoolError, did_you_mean
+from cemtool.fileio import check_regular, open_regular
 
 CHUNK_BYTES = 1 << 20
 
@@ -256,7 +257,7 @@ def iter_text(files: list[Path], hasher=None) -> Iterator[str]:
     ``hasher`` (a hashlib object), if given, is fed every raw byte read."""
     for f in files:
         try:
-            fh = open(f, "rb")
+            fh = os.fdopen(open_regular(f, "data file"), "rb")
         except OSError as e:
             raise CemtoolError(f"cannot read {f}: {e.strerror}") from None
         with fh:
@@ -372,6 +373,7 @@ def text_corpus(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
 
 def _memmap(path: Path, dtype) -> np.ndarray:
     """A read-only memory map of a token file (an empty file gives an empty array: np.memmap refuses those)."""
+    check_regular(path, "token cache file")
     if path.stat().st_size == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r")

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json
 
 
 class Tokenizer:
@@ -89,11 +90,9 @@ class Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path)
+    data = read_json(p, "tokenizer file")  # regular, bounded: one-line errors
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
         return Tokenizer(HFTokenizer.from_str(json.dumps(data["tokenizer"])), data["cemtool_kind"])
-    except FileNotFoundError:
-        raise CemtoolError(f"tokenizer file {p} is missing") from None
     except (ValueError, KeyError, TypeError, Exception) as e:  # tokenizers raises plain Exception
         raise CemtoolError(f"tokenizer file {p} is corrupt: {str(e).splitlines()[0][:200]}") from None
 

@@ -36,6 +36,7 @@ from tokenizers import models, pre_tokenizers
 from cemtool.config import MAX_VOCAB, DataConfig
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from cemtool.errors import CemtoolError
+from cemtool.fileio import open_regular, read_json
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 SCAN_TOKENS = 1 << 22  # ids per chunk of the vocabulary check (8 MiB of uint16)
@@ -43,21 +44,21 @@ SCAN_TOKENS = 1 << 22  # ids per chunk of the vocabulary check (8 MiB of uint16)
 
 def is_token_source(source: str) -> bool:
     """A .bin/.npy file, or a folder holding train.bin or train.npy."""
-    p = Path(source).expanduser()
-    if p.is_file():
+    p = Path(source).expanduser()  # exists(), not is_file(): a FIFO named train.bin is refused by open_tokens
+    if p.exists() and not p.is_dir():
         return p.suffix.lower() in TOKEN_SUFFIXES
-    return p.is_dir() and any((p / f"train{s}").is_file() for s in TOKEN_SUFFIXES)
+    return p.is_dir() and any((p / f"train{s}").exists() for s in TOKEN_SUFFIXES)
 
 
 def token_files(source: str) -> tuple[Path, Path | None]:
     """(train file, val file or None) of a token source."""
     p = Path(source).expanduser()
-    if p.is_file():
+    if not p.is_dir():
         return p, None
     for s in TOKEN_SUFFIXES:
-        if (p / f"train{s}").is_file():
+        if (p / f"train{s}").exists():
             val = p / f"val{s}"
-            return p / f"train{s}", val if val.is_file() else None
+            return p / f"train{s}", val if val.exists() else None
     raise CemtoolError(f"folder {p} holds neither train.bin nor train.npy")
 
 
@@ -66,22 +67,17 @@ def token_files(source: str) -> tuple[Path, Path | None]:
 
 
 def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, int]:
-    """Memory-map one token file read-only: ((N,) integer ids, byte offset of the first id in the file)."""
-    if path.suffix.lower() == ".npy":
-        try:
-            header = np.load(path, mmap_mode="r", allow_pickle=False)  # validates; only the header is read
-        except (ValueError, OSError, EOFError) as e:
-            raise CemtoolError(f"{path} is not a NumPy array of token ids: {str(e).splitlines()[0][:200]}",
-                               hint="save it with numpy.save(path, ids) from an integer array") from None
-        if header.dtype.kind not in "iu":
-            raise CemtoolError(f"{path} holds {header.dtype} values, not integer token ids")
-        if header.ndim != 1:
-            raise CemtoolError(f"{path} holds an array of shape {header.shape}, not a flat (N,) array of token ids",
-                               hint="save the ids in stream order, e.g. numpy.save(path, ids.reshape(-1))")
-        offset = header.offset if isinstance(header, np.memmap) else path.stat().st_size
-        return map_tokens(path, header.dtype, offset, header.size), offset
+    """Memory-map one token file read-only: ((N,) integer ids, byte offset of the first id in the file). Only a
+    regular file is opened (:func:`cemtool.fileio.open_regular`); a malformed file is a one-line error."""
+    with os.fdopen(open_regular(path, "token file"), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if path.suffix.lower() == ".npy":
+            dtype, count, offset = npy_header(path, f, size)
+            return map_tokens(path, dtype, offset, count), offset
+        head = f.read(len(NPY_MAGIC))
+    if head == NPY_MAGIC:
+        raise CemtoolError(f"{path} is a NumPy .npy file, not a flat token file", hint="name it .npy")
     dtype = np.dtype(token_dtype).newbyteorder("<")
-    size = path.stat().st_size
     if size % dtype.itemsize:
         raise CemtoolError(f"{path} has {size:,} bytes, not a multiple of {dtype.itemsize} ({token_dtype}): it is "
                            f"not a flat {token_dtype} token file",
@@ -91,13 +87,60 @@ def open_tokens(path: Path, token_dtype: str = "uint16") -> tuple[np.ndarray, in
     return map_tokens(path, dtype, 0, size // dtype.itemsize), 0
 
 
+NPY_MAGIC = b"\x93NUMPY"
+
+
+def npy_header(path: Path, f, size: int) -> tuple[np.dtype, int, int]:
+    """(dtype, number of ids, offset of the first) from the header of the .npy file ``f``, read with numpy's own
+    header parser (a literal, never code); everything that is not a flat integer array wholly present in the file
+    is a one-line error: another format (zip/.npz, pickle, text), a header that does not parse, an object or
+    non-integer dtype, another shape, fewer bytes than the header promises."""
+    from numpy.lib import format as npformat
+
+    def bad(why: str, hint: str = "save it with numpy.save(path, ids) from an integer array") -> CemtoolError:
+        return CemtoolError(f"{path} is not a NumPy array of token ids: {why}", hint=hint)
+
+    head = f.read(len(NPY_MAGIC))
+    if head != NPY_MAGIC:
+        what = ("a zip archive (a .npz?)" if head.startswith(b"PK") else "a pickle" if head[:1] == b"\x80"
+                else "no .npy header")
+        raise bad(f"{what}", hint="give a .npy written by numpy.save (for a .npz, save its one array with numpy.save)")
+    f.seek(0)
+    try:
+        version = npformat.read_magic(f)
+        read = {(1, 0): npformat.read_array_header_1_0, (2, 0): npformat.read_array_header_2_0}.get(version)
+        if read is None:
+            raise ValueError(f"format version {version[0]}.{version[1]} (cemtool reads 1.0 and 2.0)")
+        shape, fortran, dtype = read(f)
+    except Exception as e:  # numpy raises ValueError, SyntaxError, tokenize.TokenError... for a malformed header
+        raise bad(f"its header does not parse ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+                  ) from None
+    if dtype.hasobject:
+        raise bad("it holds Python objects (cemtool never unpickles)")
+    if dtype.kind not in "iu":
+        raise CemtoolError(f"{path} holds {dtype} values, not integer token ids")
+    if len(shape) != 1:
+        raise CemtoolError(f"{path} holds an array of shape {shape}, not a flat (N,) array of token ids",
+                           hint="save the ids in stream order, e.g. numpy.save(path, ids.reshape(-1))")
+    offset, count = f.tell(), shape[0]  # a flat array is the same bytes in C and Fortran order
+    if count < 0:
+        raise bad(f"its header gives a negative length {count}")
+    if offset + count * dtype.itemsize > size:
+        raise CemtoolError(f"{path} is shorter than its header says (truncated?): {count:,} ids of {dtype} need "
+                           f"{offset + count * dtype.itemsize:,} bytes, the file has {size:,}")
+    return dtype, count, offset
+
+
 def map_tokens(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
     """(count,) read-only ids mapped from the file at ``offset``, advised for random access: a window faults in its
     own pages only, without read-ahead, so resident memory follows the windows read, not the size of the file."""
     if count == 0:
         return np.zeros(0, dtype=dtype)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays valid after the file is closed
+    fd = open_regular(path, "token file")
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # stays valid after the file is closed
+    finally:
+        os.close(fd)
     if hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)
     return np.frombuffer(mm, dtype=dtype, count=count, offset=offset)
@@ -107,7 +150,7 @@ def chunks(path: Path, offset: int, dtype: np.dtype, count: int) -> Iterator[tup
     """(index of the first id, ids) over a token file, read into one reused buffer, not through the map; the pages
     read are then dropped from the page cache, so that the pass neither stays resident nor fills the cache."""
     buf = np.empty(min(SCAN_TOKENS, max(count, 1)), dtype=dtype)
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, "token file"), "rb") as f:
         f.seek(offset)
         done = 0
         while done < count:
@@ -163,13 +206,10 @@ def id_tokenizer(vocab_size: int) -> Tokenizer:
 def hf_tokenizer(path: str | Path) -> Tokenizer:
     """A Hugging Face ``tokenizer.json`` (e.g. GPT-2's) or a cemtool run's tokenizer.json, as a cemtool tokenizer."""
     p = Path(path).expanduser()
-    if not p.is_file():
+    if not p.exists():
         raise CemtoolError(f"tokenizer file {p} does not exist", hint="data.tokenizer takes auto, word, byte, bpe or "
                                                                       "the path of a tokenizer.json")
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CemtoolError(f"tokenizer file {p} is not JSON: {str(e).splitlines()[0][:200]}") from None
+    data = read_json(p, "tokenizer file")
     if isinstance(data, dict) and "cemtool_kind" in data:
         return load_tokenizer(p)
     try:

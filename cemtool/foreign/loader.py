@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json
 from cemtool.runs import is_hf_dir  # the one detector of run and model directories (re-exported here)
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 
@@ -254,7 +255,7 @@ def check_loading(spec: str, info: dict) -> None:
 def read_config(path: Path):
     """transformers' config of the directory, refusing unknown types and models that are not causal LMs."""
     transformers = _transformers()
-    raw = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    raw = read_json(path / "config.json", "model config")
     mt = raw.get("model_type")
     try:
         config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
@@ -377,7 +378,7 @@ def register_arch(config: dict) -> str:
 
 def register_saved(run_path: Path) -> None:
     """Register the architecture of a run made from a foreign model (a fine-tune), from its model_source.json."""
-    register_arch(json.loads((Path(run_path) / SOURCE_FILE).read_text(encoding="utf-8"))["config"])
+    register_arch(read_json(Path(run_path) / SOURCE_FILE, "model description")["config"])
 
 
 def build_foreign(cfg):
@@ -414,8 +415,6 @@ def mark_added(model, names: list, spec: str) -> None:
 
 def read_export(path: Path) -> dict | None:
     """The record ``cemtool export`` writes beside the model (:data:`EXPORT_FILE`), None for other models."""
-    from cemtool.runs import read_json
-
     f = path / EXPORT_FILE
     if not f.is_file():
         return None
