@@ -4,8 +4,10 @@ On a shared machine torch's default (one thread per core) spins its threads agai
 numbers take several times the CPU time. The rule, applied once per command by the CLI (:func:`apply`):
 
 - a count the user gave is used as given: ``--threads N`` (before the command), else ``CEMTOOL_THREADS``, else
-  ``OMP_NUM_THREADS`` (which torch reads itself); when it is more than the cores left free by the load average, a
-  note says so (the run is slower than on idle cores; its numbers do not change);
+  ``OMP_NUM_THREADS`` (which torch reads itself); when a count given to cemtool (``--threads``,
+  ``CEMTOOL_THREADS``) is more than the cores left free by the load average, a note says so (the run is slower than
+  on idle cores; its numbers do not change). ``OMP_NUM_THREADS`` is the environment's own setting (schedulers, CI
+  and test harnesses set it for every process): it is used without a note, and the load is in the provenance;
 - with none given, torch's default (one thread per usable core) while the machine is idle; when the 1-minute load
   average leaves fewer cores free, one thread per free core (at least 1), with a note saying so.
 
@@ -61,7 +63,7 @@ def choose(cores: int, load: float | None, n: int | None, source: str | None) ->
     free = None if load is None else max(0.0, cores - load)
     if n is not None:
         note = None
-        if free is not None and n > max(1, math.floor(free + 0.5)):
+        if source != "OMP_NUM_THREADS" and free is not None and n > max(1, math.floor(free + 0.5)):
             note = (f"{n} torch thread(s) as asked ({source}), but the load average is {load:.1f} on {cores} "
                     f"core(s) ({free:.1f} free): slower than on idle cores, the numbers are the same")
         return n, note
