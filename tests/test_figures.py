@@ -78,7 +78,7 @@ def test_every_figure_writes_every_requested_format(drawn):
                 assert b"<svg" in data[:2000]
 
 
-def test_no_title_wider_than_its_axes(drawn):
+def test_no_title_wider_than_its_axes_nor_label_cut_off(drawn):
     figures, _ = drawn
     for name, fig in figures.items():
         r = FigureCanvasAgg(fig).get_renderer()  # closed figures lost their canvas
@@ -92,6 +92,11 @@ def test_no_title_wider_than_its_axes(drawn):
             assert ext.width <= box.width + 1, (name, t.get_text(), ext.width, box.width)
             assert ext.x0 >= fig_box.x0 - 1 and ext.x1 <= fig_box.x1 + 1, (name, t.get_text())
             assert ext.y1 <= fig_box.y1 + 1, (name, t.get_text())
+        for ax in fig.axes:  # and no axis label longer than the figure is wide (x) or high (y)
+            for label in (ax.xaxis.label, ax.yaxis.label):
+                ext = label.get_window_extent(r)
+                assert fig_box.y0 - 1 <= ext.y0 and ext.y1 <= fig_box.y1 + 1, (name, label.get_text())
+                assert fig_box.x0 - 1 <= ext.x0 and ext.x1 <= fig_box.x1 + 1, (name, label.get_text())
 
 
 def test_no_absolute_path_in_titles(drawn):
@@ -106,7 +111,8 @@ def test_units_on_the_axes(drawn):
     figures, _ = drawn
     for stem, axis, unit in UNITS:
         assert stem in figures, stem
-        labels = [ax.get_ylabel() if axis == "y" else ax.get_xlabel() for ax in figures[stem].axes]
+        labels = [" ".join((ax.get_ylabel() if axis == "y" else ax.get_xlabel()).split()) for ax in
+                  figures[stem].axes]  # long labels are wrapped
         assert any(unit in lb for lb in labels), (stem, labels)
 
 

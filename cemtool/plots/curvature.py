@@ -56,7 +56,7 @@ def _panel(ax, rows: list[dict], value: str, converged: str, threshold: str, col
     ax.set_yscale("log")
     log_ticks(ax)
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"eigenvalue ({CURVATURE}, log)")
+    ax.set_ylabel(f"eigenvalue ({CURVATURE})")
 
 
 def curvature_figure(run: str | Path, rows: list[dict]):

@@ -38,7 +38,7 @@ def plot_spectrum(report: dict, plots_dir: str | Path, name: str = "sharpness_sp
             ax.axvline(v, color="black", lw=0.8, ls="-" if eig["bottom_converged"][i] else ":",
                        label="bottom eigenvalues (Lanczos)" if i == 0 else None)
     ax.set_xlabel(f"eigenvalue of the Hessian ({CURVATURE})")
-    ax.set_ylabel("density (fraction of eigenvalues per unit of eigenvalue)")
+    ax.set_ylabel("density (per unit eigenvalue)")
     if dens:
         log_ticks(ax)
     ax.set_title(_title(report, "Hessian spectrum"), fontsize=9)

@@ -229,46 +229,47 @@ def new_figure(width: float = 6.4, height: float = 4.2, ncols: int = 1, nrows: i
     return fig, np.asarray(flat[:n], dtype=object).reshape(nrows, ncols)
 
 
-def _titles(fig) -> list[tuple[object, float]]:
-    """Every title of a figure with the width (pixels) it may take: an axes' own width, the figure's for the
-    figure's title."""
-    fig_w = fig.bbox.width
-    out = [(t, ax.bbox.width) for ax in fig.axes for t in (ax.title, ax._left_title, ax._right_title)
-           if t.get_text()]
-    if fig._suptitle is not None and fig._suptitle.get_text():
-        out.append((fig._suptitle, fig_w))
-    return out
+def _titles(fig) -> list[tuple[object, float, str]]:
+    """Every title and axis label of a figure with the length (pixels) it may take and the side that length is
+    measured on: a title or x label its axes' width, a y label its axes' height, the figure's title the figure's
+    width."""
+    out = []
+    for ax in fig.axes:
+        box = ax.bbox
+        out += [(t, box.width, "width") for t in (ax.title, ax._left_title, ax._right_title, ax.xaxis.label)]
+        out.append((ax.yaxis.label, box.height, "height"))
+    if fig._suptitle is not None:
+        out.append((fig._suptitle, fig.bbox.width, "width"))
+    return [(t, avail, side) for t, avail, side in out if t.get_text() and t.get_visible()]
 
 
 def title_overflow(fig) -> list[str]:
-    """The titles wider than their axes (or, for the figure's title, than the figure) or reaching outside the
-    figure, once drawn: [] when every title fits."""
+    """The titles and axis labels longer than their axes (or, for the figure's title, than the figure) once
+    drawn: [] when every one fits."""
     fig.draw_without_rendering()
     r = fig.canvas.get_renderer()
-    bad = []
-    for t, avail in _titles(fig):
-        box = t.get_window_extent(r)
-        if box.width > avail + 1.0 or box.x0 < -1.0 or box.x1 > fig.bbox.width + 1.0:
-            bad.append(t.get_text())
-    return bad
+    return [t.get_text() for t, avail, side in _titles(fig) if getattr(t.get_window_extent(r), side) > avail + 1.0]
+
+
+SLACK = 0.95  # wrap to this share of the room: the wrapped lines move the axes a little once laid out again
 
 
 def fit_titles(fig) -> None:
-    """Wrap every title that does not fit its axes (or the figure) onto more lines, at spaces."""
+    """Wrap every title and axis label that is longer than its axes (or the figure) onto more lines, at spaces."""
     import textwrap
 
     fig.draw_without_rendering()
     r = fig.canvas.get_renderer()
-    for t, avail in _titles(fig):
+    for t, avail, side in _titles(fig):
         text = " ".join(t.get_text().split())
-        width = t.get_window_extent(r).width
+        length = getattr(t.get_window_extent(r), side)
         chars = len(text)
-        while width > avail and chars > 8:
-            chars = max(8, int(chars * min(0.95, avail / width)))
+        while length > avail * SLACK and chars > 8:
+            chars = max(8, int(chars * min(0.95, avail * SLACK / length)))
             t.set_text(textwrap.fill(text, chars, break_on_hyphens=False))
-            width = t.get_window_extent(r).width
-        if width > avail:  # a single word wider than the axes: a smaller font
-            t.set_fontsize(t.get_fontsize() * avail / width)
+            length = getattr(t.get_window_extent(r), side)
+        if length > avail:  # a single word longer than the axes: a smaller font
+            t.set_fontsize(t.get_fontsize() * avail / length)
 
 
 def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None = None) -> list[Path]:
@@ -281,7 +282,10 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
 
     d = Path(plots_dir)
     untangle_ticks(fig)
-    fit_titles(fig)
+    for _ in range(3):  # again while the wrapped lines, laid out, moved the axes
+        fit_titles(fig)
+        if not title_overflow(fig):
+            break
     dpi = SIZES[_OUTPUT["size"]][2] if _OUTPUT["size"] else 130
     paths = []
     for ext in formats or _OUTPUT["formats"]:
