@@ -92,6 +92,9 @@ def test_no_title_wider_than_its_axes_nor_label_cut_off(drawn):
             assert ext.width <= box.width + 1, (name, t.get_text(), ext.width, box.width)
             assert ext.x0 >= fig_box.x0 - 1 and ext.x1 <= fig_box.x1 + 1, (name, t.get_text())
             assert ext.y1 <= fig_box.y1 + 1, (name, t.get_text())
+        for lg in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:  # legends inside too
+            ext = lg.get_window_extent(r)
+            assert fig_box.x0 - 1 <= ext.x0 and ext.x1 <= fig_box.x1 + 1, (name, "legend", ext, fig_box)
         for ax in fig.axes:  # and no axis label longer than the figure is wide (x) or high (y)
             for label in (ax.xaxis.label, ax.yaxis.label):
                 ext = label.get_window_extent(r)

@@ -272,6 +272,19 @@ def fit_titles(fig) -> None:
             t.set_fontsize(t.get_fontsize() * avail / length)
 
 
+def _preset_fonts(fig, base: float) -> None:
+    """Under a size preset no text is larger than the preset's font (the figures ask for 9 pt titles and 8 pt
+    legends at their own sizes), legends one point smaller."""
+    from matplotlib.text import Text
+
+    legend_texts = {id(t) for lg in fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
+                    for t in [*lg.get_texts(), lg.get_title()]}
+    for t in fig.findobj(Text):
+        top = base - 1 if id(t) in legend_texts else base
+        if t.get_fontsize() > top:
+            t.set_fontsize(top)
+
+
 def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None = None) -> list[Path]:
     """Save ``plots/<name>.<format>`` for every format in ``formats`` (default: those of :func:`output`, PNG and
     SVG unless told otherwise) atomically (runs.atomic_write_bytes: no links followed inside a run); close the
@@ -281,6 +294,8 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
     from cemtool.runs import atomic_write_bytes
 
     d = Path(plots_dir)
+    if _OUTPUT["size"]:
+        _preset_fonts(fig, SIZES[_OUTPUT["size"]][1])
     untangle_ticks(fig)
     for _ in range(3):  # again while the wrapped lines, laid out, moved the axes
         fit_titles(fig)
