@@ -808,9 +808,39 @@ def cases_user() -> list[Case]:
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _plot(ws: Path, *args: str) -> list[str]:
+    return ["plot", str(ws / "run"), "--quiet", *args]
+
+
 def cases_docs() -> list[Case]:
-    """Cases of issue 20 items 21, 23: doc snippets and figures."""
-    out: list[Case] = []
+    """Cases of issue 20 items 21, 23: doc snippets and figures (`cemtool plot --format/--size`)."""
+    bad_format = [("jpeg", "jpeg"), ("", "no figure format"), (",", "no figure format"), ("png,gif", "gif"),
+                  ("png pdf", "png pdf"), ("../../x", "../../x"), ("pdf;svg", "pdf;svg"), ("eps", "eps"),
+                  ("svgz", "svgz"), (".pdf", ".pdf")]
+    bad_size = [("poster", "poster"), ("", "''"), ("COLUMN", "COLUMN"), ("3.5", "3.5"), ("column,page", "column"),
+                ("../slide", "../slide")]
+    out = [Case(f"plot: --format {f!r} (usage)", "23", lambda ws, f=f: _plot(ws, "--format", f), words=(w,))
+           for f, w in bad_format]
+    out += [Case(f"plot: --size {z!r} (usage)", "23", lambda ws, z=z: _plot(ws, "--size", z), words=(w,))
+            for z, w in bad_size]
+    out += [
+        Case("plot: --size slide --format jpeg (usage)", "23", lambda ws: _plot(ws, "--size", "slide", "--format",
+                                                                              "jpeg"), words=("jpeg",)),
+        Case("plot: --format pdf on a folder without runs", "23",
+             lambda ws: ["plot", str(ws / "outside"), "--format", "pdf"]),
+        Case("plot: --format pdf, --out is a file", "23",
+             lambda ws: ["plot", str(ws / "run"), str(ws / "run"), "--out", write(ws / "f.txt", "x"), "--format",
+                         "pdf"], words=("not a directory",)),
+        Case("plot: --format pdf on a missing run", "23", lambda ws: ["plot", str(ws / "nope"), "--format", "pdf"],
+             words=("does not exist",)),
+        Case("plot: --size column on a missing run", "23",
+             lambda ws: ["plot", str(ws / "nope"), "--size", "column"], words=("does not exist",)),
+        Case("plot: two runs, --format pdf, no --out (usage)", "23",
+             lambda ws: ["plot", str(ws / "run"), str(ws / "run"), "--format", "pdf"], words=("--out",)),
+        Case("plot: --format pdf,svg with plots/ a symlink", "23",
+             lambda ws: (relink(ws / "run" / "plots", ws / "outside"), _plot(ws, "--format", "pdf,svg"))[-1],
+             fast=False, words=("symbolic link",)),
+    ]
     return out
 
 

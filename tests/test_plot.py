@@ -512,7 +512,7 @@ def test_compare_marks_curvatures_from_different_token_counts(drawn, tmp_path):
     from cemtool.plots.compare import plot_compare
 
     figs = drawn(plot_compare, compare_report(tokens=(1024, 2048, 1024, 4096)), tmp_path)
-    titles = [ax.get_title() for ax in figs["compare"].axes]
+    titles = [" ".join(ax.get_title().split()) for ax in figs["compare"].axes]  # long titles are wrapped
     assert sum("mixed N = 1,024, 2,048, 4,096 tokens" in t for t in titles) == 2  # λ_max and tr(H)/n
     assert "mixed N" in figs["compare_correlations"].axes[0].get_title()
     legend = [t.get_text() for t in figs["compare"].legends[0].get_texts()]

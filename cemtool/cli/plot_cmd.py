@@ -24,10 +24,28 @@ def plot(
                                            "and report.md (default on)")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="print only the report.md path(s)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print the written files as JSON")] = False,
+    formats: Annotated[str, typer.Option("--format", help="figure formats, comma-separated: png, pdf, svg (PNG is "
+                                         "always written: report.md shows it)")] = "png,svg",
+    size: Annotated[Optional[str], typer.Option("--size", help="size preset: column (3.5 in wide, 7 pt), page "
+                                                "(7 in, 8 pt) or slide (10 in, 12 pt); default: each figure's "
+                                                "own size")] = None,
 ) -> None:
-    """Draw every figure a run or sweep's saved reports support, as PNG and SVG under plots/, and write report.md
-    (the figures with their numbers). Reads metrics.jsonl, config.json, meta.json and reports/*.json only: it works
-    on a run whose checkpoints were deleted, and never loads a model."""
+    """Draw every figure a run or sweep's saved reports support, as PNG and SVG (or --format) under plots/, and
+    write report.md (the figures with their numbers). Reads metrics.jsonl, config.json, meta.json and
+    reports/*.json only: it works on a run whose checkpoints were deleted, and never loads a model."""
+    from cemtool.plots.style import check_size, output, parse_formats
+
+    try:
+        exts = parse_formats(formats)
+        check_size(size)
+    except CemtoolError as e:
+        raise typer.BadParameter(f"{e.message} ({e.hint})", param_hint="--format" if "format" in e.message
+                                 else "--size") from None
+    with output(exts, size):
+        _plot(paths, out, each_run, quiet, json_, exts)
+
+
+def _plot(paths: list[Path], out: Path | None, each_run: bool, quiet: bool, json_: bool, exts: tuple[str, ...]):
     from cemtool.plots.render import render_all, render_sweep
     from cemtool.runs import is_hf_dir, is_run
 
@@ -58,17 +76,20 @@ def plot(
                                title=f"Comparison of {len(paths)} runs")
     figures = [p for p in written if p.suffix == ".png"]
     reports = [p for p in written if p.name == "report.md"]
+    others = [e for e in exts if e != "png"]
     if json_:
-        console.print_json({"figures": [str(p) for p in figures], "svg": [str(p.with_suffix(".svg")) for p in figures],
+        console.print_json({"figures": [str(p) for p in figures], "formats": list(exts),
+                            **{e: [str(p.with_suffix(f".{e}")) for p in figures] for e in others},
                             "reports": [str(p) for p in reports], "problems": problems})
     else:
+        also = f"  (+ {', '.join('.' + e for e in others)})" if others else ""
         if not quiet:
             for p in figures:
-                console.result(f"figure  {p}  (+ .svg)")
+                console.result(f"figure  {p}{also}")
         for p in reports:
             console.result(f"report  {p}")
         if not quiet:
-            console.result(f"{len(figures)} figures (PNG + SVG), {len(reports)} report.md")
+            console.result(f"{len(figures)} figures ({' + '.join(e.upper() for e in exts)}), {len(reports)} report.md")
     if problems:
         more = f" (and {len(problems) - 1} more: see report.md)" if len(problems) > 1 else ""
         raise CemtoolError(problems[0] + more, hint="every other figure and report.md was written")

@@ -12,7 +12,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
 
-from cemtool.plots.style import PALETTE, arch_color, layer_axis, legend_below, new_figure, save
+from cemtool.plots.style import PALETTE, arch_color, layer_axis, legend_below, new_figure, note_panel, save
 from cemtool.plots.training import SEED_STYLES
 
 _MARKERS = "osD^v<>ph*"
@@ -120,11 +120,10 @@ def plot_layers(report: dict, plots_dir: str | Path, name: str = "collapse") -> 
     ax.axis("off")
     c = runs[0]["collapse"]
     classes = c.get("probe_classes") or {}
-    ax.text(0.0, 1.0, f"{c['tokens']:,} evaluation tokens ({c['sequences']} sequences of {c['seq_len']})\n"
-                      f"Rényi alpha = {c['alpha']}\nprobe classes: {', '.join(map(str, classes.get('names', [])))}\n"
-                      f"{classes.get('per_class', 0)} per class, {classes.get('folds', '')}-fold CV\n"
-                      f"error bars: entropy s.e. over sequences; probe std over folds",
-            va="top", fontsize=8, transform=ax.transAxes)
+    note_panel(ax, f"{c['tokens']:,} evaluation tokens ({c['sequences']} sequences of {c['seq_len']})\n"
+                   f"Rényi alpha = {c['alpha']}\nprobe classes: {', '.join(map(str, classes.get('names', [])))}\n"
+                   f"{classes.get('per_class', 0)} per class, {classes.get('folds', '')}-fold CV\n"
+                   f"error bars: entropy s.e. over sequences; probe std over folds")
     return save(fig, plots_dir, f"{name}_layers")
 
 
@@ -225,25 +224,51 @@ def plot_routing(run: dict, plots_dir: str | Path, name: str) -> list[Path]:
     return save(fig, plots_dir, name)
 
 
-def plot_streams(run: dict, plots_dir: str | Path, name: str) -> list[Path]:
-    """A momentum run's learned scalars per layer, attention and MLP substeps."""
-    rows = run["stream_scalars"]
-    keys = sorted({k for r in rows for k in r if k not in ("layer", "substep")})
-    fig, axes = new_figure(3.0 * max(1, len(keys)), 3.6, ncols=max(1, len(keys)))
+GREEK = {"alpha": "α", "beta": "β", "gamma": "γ", "delta": "δ", "eta": "η", "lambda": "λ", "mu": "μ", "nu": "ν",
+         "rho": "ρ", "sigma": "σ", "tau": "τ", "theta": "θ"}
+SUBSTEPS = (("attn", "o", "attention substep"), ("mlp", "s", "MLP substep"))
+
+
+def greek(name: str) -> str:
+    """A scalar's name as a symbol ('beta' -> 'β', 'beta_1' -> 'β_1'); other names unchanged."""
+    head, sep, tail = name.partition("_")
+    return GREEK.get(head, head) + sep + tail
+
+
+def plot_streams(runs: dict | list[dict], plots_dir: str | Path, name: str) -> list[Path]:
+    """The learned scalars of momentum runs per layer, one panel per scalar: colour = architecture, line style =
+    run (seed), marker = substep (filled circle: attention; open square: MLP). One figure for all the runs."""
+    from matplotlib.lines import Line2D
+
+    from cemtool.plots.training import SEED_STYLES
+
+    runs = [runs] if isinstance(runs, dict) else list(runs)
+    keys = sorted({k for run in runs for r in run["stream_scalars"] for k in r if k not in ("layer", "substep")})
+    fig, axes = new_figure(3.0 * max(1, len(keys)), 3.6 + 0.2 * len(runs), ncols=max(1, len(keys)))
+    for i, run in enumerate(runs):
+        rows, color, ls = run["stream_scalars"], arch_color(run["arch"]), SEED_STYLES[i % len(SEED_STYLES)]
+        for ax, key in zip(axes[0], keys, strict=False):
+            for sub, marker, _ in SUBSTEPS:
+                pts = [(r["layer"], r[key]) for r in rows if r["substep"] == sub and key in r]
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), ls=ls, marker=marker, color=color, ms=6,
+                            mfc=color if sub == "attn" else "white", mew=1.5)
     for ax, key in zip(axes[0], keys, strict=False):
-        for sub, ls in (("attn", "-"), ("mlp", "--")):
-            pts = [(r["layer"], r[key]) for r in rows if r["substep"] == sub and key in r]
-            if pts:
-                ax.plot(*zip(*pts, strict=True), ls=ls, marker="o", color=arch_color(run["arch"]),
-                        label={"attn": "attention substep", "mlp": "MLP substep"}[sub])
-        ax.set_title(key, fontsize=9)
+        ax.set_title(greek(key), fontsize=10)
         ax.set_xlabel("layer")
-        ax.set_ylabel("learned value")
-        layer_axis(ax, [r["layer"] for r in rows])
+        ax.set_ylabel("learned value (dimensionless)")
+        layer_axis(ax, [r["layer"] for run in runs for r in run["stream_scalars"]])
         ax.grid(alpha=0.3)
-    handles, labels = axes[0, 0].get_legend_handles_labels()
+    handles = [Line2D([], [], color="0.3", ls="none", marker=m, mfc="0.3" if sub == "attn" else "white", mew=1.5)
+               for sub, m, _ in SUBSTEPS]
+    labels = [lb for _, _, lb in SUBSTEPS]
+    if len(runs) > 1:
+        handles += [Line2D([], [], color=arch_color(run["arch"]), ls=SEED_STYLES[i % len(SEED_STYLES)])
+                    for i, run in enumerate(runs)]
+        labels += [run["label"] for run in runs]
     legend_below(fig, handles, labels)
-    fig.suptitle(f"{run['label']}: optimizer-stream scalars", fontsize=9)
+    who = runs[0]["label"] if len(runs) == 1 else f"{len(runs)} runs"
+    fig.suptitle(f"{who}: optimizer-stream scalars", fontsize=9)
     return save(fig, plots_dir, name)
 
 
@@ -254,8 +279,9 @@ def plot_collapse(report: dict, plots_dir: str | Path, name: str = "collapse") -
         suffix = run["label"] if len(report["runs"]) > 1 else ""
         if isinstance(run.get("routing"), dict):
             paths += plot_routing(run, plots_dir, f"{name}_routing" + (f"_{suffix}" if suffix else ""))
-        if isinstance(run.get("stream_scalars"), list):
-            paths += plot_streams(run, plots_dir, f"{name}_streams" + (f"_{suffix}" if suffix else ""))
+    streams = [run for run in report["runs"] if isinstance(run.get("stream_scalars"), list)]
+    if streams:  # every momentum run in one figure
+        paths += plot_streams(streams, plots_dir, f"{name}_streams")
     return paths
 
 

@@ -19,12 +19,33 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from cemtool.plots.style import arch_color, layer_axis, legend_below, new_figure, plain_numbers, save, variant_index
+from cemtool.plots.style import (
+    CURVATURE,
+    arch_color,
+    layer_axis,
+    legend_below,
+    mark_not_converged,
+    new_figure,
+    not_converged_handle,
+    plain_numbers,
+    save,
+    variant_index,
+)
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES
 from cemtool.report import SPREAD
 
 # --------------------------------------------------------------------------------------------------------------
 # forgetting curves
+
+
+FLOOR_REACH = 1.0  # an entropy floor further below the curves than their own span is named, not drawn
+
+
+def data_name(data) -> str:
+    """A data source as a figure names it: a built-in source as it is, a file or folder by its last part (never a
+    whole path: titles are for readers, and paths are long and private)."""
+    text = str(data)
+    return Path(text.rstrip("/")).name or text if ("/" in text or "\\" in text) else text
 
 
 def _forgetting_label(rep: dict, dup: bool) -> str:
@@ -52,10 +73,14 @@ def plot_forgetting(reports: list[dict], plots_dir: str | Path, name: str = "for
     floor_text = []
     for ax, side in ((axes[0, 0], "source"), (axes[0, 1], "target")):
         floors = sorted({round(r[side]["floor"], 6) for r in reports if r[side].get("floor") is not None})
+        lo, hi = ax.dataLim.y0, ax.dataLim.y1
         for f in floors:
-            ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
-        floor_text += [f"{side} {f:.3f}" for f in floors]
-        data = sorted({str(r[side]["data"]) for r in reports})
+            if f >= lo - FLOOR_REACH * max(hi - lo, 1e-9):
+                ax.axhline(f, color=FLOOR_COLOR, ls="--", lw=1.2)
+                floor_text.append(f"{side} {f:.3f}")
+            else:  # drawn, it would squash the curves into a sliver at the top
+                floor_text.append(f"{side} {f:.3f}, below the axis")
+        data = sorted({data_name(r[side]["data"]) for r in reports})
         ax.set_title(f"{side} data ({', '.join(data)}): " + ("forgetting = after - before" if side == "source"
                                                               else "plasticity = before - after"), fontsize=9)
         ax.set_xlabel("fine-tuning step")
@@ -97,6 +122,7 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
     fig, axes = new_figure(4.0 * ncols, 3.8 + 0.25 * ((len(entries) + 3) // 4), ncols=ncols)
     seeds = sorted({e["seed"] for e in entries}, key=lambda s: (s is None, s))
     tokens = sorted({r.get("tokens") for e in entries for r in e["reports"] if r.get("tokens")})
+    any_bad = False
     for e in entries:
         reps = sorted((r for r in e["reports"] if layer_of(r) is not None and r.get("eigen")), key=layer_of)
         color, ls = arch_color(e["arch"]), SEED_STYLES[seeds.index(e["seed"]) % len(SEED_STYLES)]
@@ -115,7 +141,8 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
                                 fontsize=6, color=color)
             bad = [(xi, yi) for xi, yi, c in zip(x, y, conv, strict=True) if not c]
             if bad:
-                ax.plot(*zip(*bad, strict=True), ls="none", marker="o", ms=9, mfc="white", mec=color)
+                mark_not_converged(ax, *zip(*bad, strict=True), color)
+                any_bad = True
         if has_trace:
             pts = [(layer, r["traces"][0]["per_param"], r["traces"][0].get("per_param_se") or 0.0)
                    for layer, r in zip(layers, reps, strict=True) if r.get("traces")]
@@ -137,10 +164,13 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
         axes[0, 2].set_ylabel(f"mean Hessian eigenvalue ({CURVATURE})", fontsize=8)
     axes[0, 1].axhline(0.0, color="0.6", lw=0.8)
     handles, labels = axes[0, 0].get_legend_handles_labels()
+    if any_bad:
+        handles.append(not_converged_handle())
+        labels.append("Lanczos not converged")
     legend_below(fig, handles, labels, most=4)
     n_text = (f"N = {tokens[0]:,} tokens" if len(tokens) == 1 else
               f"mixed N = {', '.join(f'{t:,}' for t in tokens)} tokens (marked): not comparable")
-    fig.suptitle("Hessian of the loss restricted to each layer's parameters (Lanczos; hollow: not converged); "
+    fig.suptitle("Hessian of the loss restricted to each layer's parameters (Lanczos); "
                  + n_text, fontsize=9, color="#B00000" if len(tokens) > 1 else "black")
     return save(fig, plots_dir, name)
 
@@ -217,7 +247,6 @@ def interval_figure(groups: list[dict], measures: list[dict], title: str = ""):
 
 
 BARS = ("gap", "lambda_max", "trace_per_param", "forgetting", "plasticity", "value_entropy", "separability")
-CURVATURE = "nats/token per (unit of θ)²"  # a second derivative of the loss in the parameters θ
 TITLES = {"gap": "final validation loss - entropy floor", "val_loss": "final validation loss",
           "lambda_max": "largest Hessian eigenvalue λ_max", "trace_per_param": "Hessian trace per parameter tr(H)/n",
           "forgetting": "forgetting (source loss after - before)",

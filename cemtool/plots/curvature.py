@@ -3,7 +3,8 @@ the stability threshold 2/η of gradient descent at the scheduled rate η, and, 
 preconditioned λ_max of Adam's update against its threshold (2 + 2 β1)/((1 - β1) η) (Cohen et al. 2022); the trace
 estimate (± 1 SE) when recorded. Reads the ``"kind": "curvature"`` rows of metrics.jsonl only; never recomputes.
 
-A filled marker is a converged Lanczos value; an open one hit the step cap (train.curvature_steps).
+A filled marker is a converged Lanczos value; a large open ring one that hit the step cap
+(train.curvature_steps).
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from pathlib import Path
 
 import numpy as np
 
-from cemtool.plots.style import arch_color, legend_below, new_figure, save
+from cemtool.plots.style import (
+    CURVATURE,
+    arch_color,
+    legend_below,
+    log_ticks,
+    mark_not_converged,
+    new_figure,
+    not_converged_handle,
+    save,
+)
 from cemtool.plots.training import read_run
 from cemtool.runs import read_jsonl
 
@@ -39,12 +49,14 @@ def _panel(ax, rows: list[dict], value: str, converged: str, threshold: str, col
     ok = np.asarray([bool(r.get(converged, True)) for r in rows
                      if isinstance(r.get(value), (int, float)) and r[value] > 0], dtype=bool)
     ax.plot(x, y, "-", color=color, lw=1.2, label=label)
-    ax.plot(x[ok], y[ok], "o", color=color, ms=4)
-    ax.plot(x[~ok], y[~ok], "o", mfc="white", mec=color, ms=4)
+    ax.plot(x[ok], y[ok], "o", color=color, ms=5)
+    mark_not_converged(ax, x[~ok], y[~ok], color)
     tx, ty = _series(rows, threshold)
     ax.plot(tx, ty, "--", color=THRESHOLD_COLOR, lw=1.0, label=threshold_label)
     ax.set_yscale("log")
+    log_ticks(ax)
     ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"eigenvalue ({CURVATURE})")
 
 
 def curvature_figure(run: str | Path, rows: list[dict]):
@@ -58,7 +70,6 @@ def curvature_figure(run: str | Path, rows: list[dict]):
     ax = axes[0, 0]
     _panel(ax, rows, "lambda_max", "lambda_max_converged", "threshold_2_over_lr", color, "λ_max of the Hessian",
            "2/η (gradient descent)")
-    ax.set_ylabel("eigenvalue (log)")
     ax.set_title("sharpness", fontsize=9)
     col = 1
     if precond:
@@ -74,6 +85,7 @@ def curvature_figure(run: str | Path, rows: list[dict]):
         s, t, se = (np.asarray(v, dtype=float) for v in zip(*pts, strict=True))
         ax.errorbar(s, t, yerr=se, fmt="s-", color=color, ms=3, lw=1.0, capsize=2, label="tr(H) ± 1 SE (XTrace)")
         ax.set_xlabel("optimizer step")
+        ax.set_ylabel(f"trace ({CURVATURE})")
         ax.set_title("trace of the Hessian", fontsize=9)
     last = rows[-1]
     fig.suptitle(f"Curvature during training: {info.arch} (seed {info.seed}), "
@@ -84,6 +96,9 @@ def curvature_figure(run: str | Path, rows: list[dict]):
         h, lb = a.get_legend_handles_labels()
         handles += h
         labels += lb
+    if not all(bool(r.get(k, True)) for r in rows for k in ("lambda_max_converged", "lambda_max_precond_converged")):
+        handles.append(not_converged_handle())
+        labels.append("Lanczos not converged (step cap)")
     legend_below(fig, handles, labels)
     return fig
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cemtool.plots.style import arch_color, new_figure, save
+from cemtool.plots.style import CURVATURE, arch_color, legend_below, log_ticks, new_figure, save
 
 
 def _title(report: dict, what: str) -> str:
@@ -37,12 +37,14 @@ def plot_spectrum(report: dict, plots_dir: str | Path, name: str = "sharpness_sp
         for i, v in enumerate(eig.get("bottom", [])):
             ax.axvline(v, color="black", lw=0.8, ls="-" if eig["bottom_converged"][i] else ":",
                        label="bottom eigenvalues (Lanczos)" if i == 0 else None)
-    ax.set_xlabel("eigenvalue of the Hessian")
-    ax.set_ylabel("density (fraction of eigenvalues per unit)")
+    ax.set_xlabel(f"eigenvalue of the Hessian ({CURVATURE})")
+    ax.set_ylabel("density (per unit eigenvalue)")
+    if dens:
+        log_ticks(ax)
     ax.set_title(_title(report, "Hessian spectrum"), fontsize=9)
     if eig and not all(eig.get("top_converged", []) + eig.get("bottom_converged", [])):
         ax.plot([], [], color="grey", lw=0.8, ls=":", label="dotted: Lanczos not converged")
-    fig.legend(fontsize=7, loc="outside lower center", ncol=2, frameon=False)  # below the axes: never on a curve
+    legend_below(fig, *ax.get_legend_handles_labels(), fontsize=7, most=2, frameon=False)  # never on a curve
     return save(fig, plots_dir, name)
 
 

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.lines import Line2D
-from matplotlib.ticker import EngFormatter, FuncFormatter, LogLocator
+from matplotlib.ticker import EngFormatter
 
 from cemtool.errors import CemtoolError
-from cemtool.plots.style import arch_color, legend_below, new_figure, save
+from cemtool.plots.style import arch_color, legend_below, log_ticks, new_figure, save
 from cemtool.report import group_labels, run_settings
 from cemtool.runs import is_hf_dir, is_run, read_json, read_jsonl
 
@@ -190,16 +190,12 @@ def _legend_below(fig, ax, floors: list[float], train: bool = False) -> None:
 
 
 def _log_gap_axis(ax) -> None:
-    """Log scale for the gap panel when every plotted gap is positive, with plain tick labels (minor ones too when
-    the data span less than a decade)."""
+    """Log scale for the gap panel when every plotted gap is positive, with one kind of tick label
+    (:func:`cemtool.plots.style.log_ticks`)."""
     gaps = [y for line in ax.get_lines() for y in line.get_ydata()]
     if gaps and min(gaps) > 0:
         ax.set_yscale("log")
-        plain = FuncFormatter(lambda v, _: f"{v:g}")
-        ax.yaxis.set_major_formatter(plain)
-        if max(gaps) / min(gaps) < 10:  # less than a decade: label minor ticks, 1.5 and 2.5 included
-            ax.yaxis.set_minor_locator(LogLocator(subs=(1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)))
-            ax.yaxis.set_minor_formatter(plain)
+        log_ticks(ax)
 
 
 def _zoom(ax, runs: list[RunCurves], floors: list[float], train: bool = True) -> None:
