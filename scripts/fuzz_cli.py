@@ -220,6 +220,7 @@ def git_status() -> str:
 
 def fuzz(count: int, seed: int, root: Path, base_run: Path, limit: float = 20.0, show=print) -> dict:
     """Fuzz ``count`` command lines in workspaces under ``root``; returns the tally and the unclean cases."""
+    import torch
     import typer.main
     from typer.testing import CliRunner
 
@@ -235,12 +236,16 @@ def fuzz(count: int, seed: int, root: Path, base_run: Path, limit: float = 20.0,
         workspace(ws, base_run)
         args = command_line(rng, app_cmd, ws)
         siblings = sorted(p.name for p in root.iterdir())
+        env, threads = dict(os.environ), torch.get_num_threads()
         os.chdir(ws)
         try:
             t0 = time.perf_counter()
             code, output = run_case(runner, app, args, limit)
-        finally:
+        finally:  # a case's --threads sets OMP_NUM_THREADS and torch's threads: not for the next case
             os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            torch.set_num_threads(threads)
         why = "timed out" if code is None else verdict(code, output)
         if why is None and sorted(p.name for p in root.iterdir()) != siblings:
             why = "wrote beside its workspace"

@@ -2,6 +2,7 @@
 SIGKILL of a short training resumes bit-exact, a few fuzzed command lines are clean, and the checks of both scripts
 do see a difference or an unclean answer when there is one."""
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -44,6 +45,14 @@ def test_a_few_fuzzed_command_lines_are_clean(tmp_path, tiny_run):
     r = fuzz_cli.fuzz(8, 7, tmp_path / "cases", Path(tiny_run), limit=5.0, show=lambda line: None)
     assert r["fuzzed"] == 8 and not r["unclean"], r["unclean"]
     assert r["clean"] >= 4  # most cases end within the limit
+
+
+def test_fuzzing_leaves_the_environment_and_threads_as_they_were(tmp_path, tiny_run, monkeypatch):
+    monkeypatch.setattr(fuzz_cli, "command_line", lambda rng, app_cmd, ws: ["--threads", "3", "runs", str(ws)])
+    env, threads = dict(os.environ), torch.get_num_threads()
+    (tmp_path / "cases").mkdir()
+    assert not fuzz_cli.fuzz(1, 0, tmp_path / "cases", Path(tiny_run), show=lambda line: None)["unclean"]
+    assert dict(os.environ) == env and torch.get_num_threads() == threads
 
 
 @pytest.mark.parametrize("code,output,why", [
