@@ -245,7 +245,9 @@ def demo(
     if out.exists() and not out.is_dir():
         raise CemtoolError(f"--out {out} exists and is not a directory", hint="choose another --out")
     from cemtool.sweep import open_study
+    from cemtool.train import pick_device
 
+    pick_device(device)  # an unavailable device is refused before the demo says anything or creates its folder
     clock = Clock()
     plan = demo_plan(settings, settings["archs"], settings["seeds"])
     open_study(out, plan)  # refuses a folder that is not this demo's study before any work starts

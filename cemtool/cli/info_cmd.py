@@ -135,7 +135,8 @@ def config(
         console.table("configuration fields", ["key", "type", "default", "meaning"],
                       [list(r) for r in describe_fields()])
         return
+    cfg = resolve(arch=arch, file=file, overrides=set_ or [])  # first: a file it refuses is the only line
     if file and len(file) > 1:
         console.info(f"config: composed {' then '.join(map(str, file))} (a later file overrides an earlier one key "
                      f"by key; --set overrides them all)")
-    console.print_json(to_dict(resolve(arch=arch, file=file, overrides=set_ or [])))
+    console.print_json(to_dict(cfg))

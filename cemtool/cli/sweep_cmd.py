@@ -217,6 +217,9 @@ def sweep(
             else:
                 print_plan(new_manifest(plan), path)
             return
+    from cemtool.train import pick_device
+
+    pick_device(device)  # an unavailable device is refused before the study folder is made
     with SweepReporter(quiet) as rep:
         manifest = run_sweep(path, plan, device=device, callback=rep, jobs=jobs)
     if json_:
