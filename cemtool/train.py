@@ -397,6 +397,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                            entropy_rate=corpus.entropy_rate, params=params, world_size=dd.world,
                            resume_step=saved if status == "interrupted" else None)
     _emit(callback, kind="end", status=status, step=step, val_loss=val_loss, floor=floor, seconds=seconds)
+    if status == "completed" and stop.signal is not None:  # it came during the last step or the final save:
+        signal.raise_signal(signal.Signals[stop.signal])  # the run is complete; now the process's own handler acts
     return TrainResult(status, step, tokens_seen, val_loss, floor, seconds, bits_per_byte(val_loss, bytes_per_token),
                        signal=stop.signal if status == "interrupted" else None, resume_step=saved)
 

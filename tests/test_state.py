@@ -293,3 +293,38 @@ def test_stop_signals_record_the_first_stop_at_the_second_and_keep_an_ignored_on
         stop.restore()
         signal.signal(signal.SIGINT, ignored)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, text_file):
+    """A SIGTERM that lands in the last step (or the final save) cannot stop training early: the run completes, and
+    then the process's own handler gets the signal (a sweep worker then stops instead of taking the next item; the
+    CI failure of the merged issue-20 branches, where such a worker ran the whole study to its end)."""
+    from test_train import _tiny
+
+    from cemtool.train import train
+
+    class Stopped(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stopped
+
+    cfg, corpus = _tiny(text_file)
+    run = create_run(tmp_path / "r", cfg, extra_meta={"corpus": corpus.info})
+    corpus.tokenizer.save(run.path / "tokenizer.json")
+    total = cfg.train.max_steps
+
+    def callback(event):
+        if event["kind"] == "step" and event["step"] == total:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        with pytest.raises(Stopped):
+            train(cfg, corpus, run, device="cpu", callback=callback)
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        run.unlock()
+    meta = json.loads((run.path / "meta.json").read_text())
+    assert meta["status"] == "completed" and meta["step"] == total
+    assert (run.path / "checkpoints" / "final.safetensors").is_file()
