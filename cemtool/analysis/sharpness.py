@@ -603,11 +603,6 @@ def write_per_layer_report(loaded, layers: list[LayerCurvature], options: Sharpn
     return payload, paths
 
 
-__all__ = ["LayerCurvature", "Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D",
-           "asam_sharpness", "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d",
-           "measure_per_layer", "measure_sharpness", "sam_sharpness", "worst_case_sharpness"]
-
-
 def write_sharpness_report(loaded, rep: SharpnessReport, *, name: str = "sharpness", seq_len: int,
                            device: str, **extra) -> tuple[dict, dict]:
     """Write ``reports/<name>.json`` and ``.csv`` of a measured run with its provenance (run, checkpoint, step,
@@ -621,3 +616,8 @@ def write_sharpness_report(loaded, rep: SharpnessReport, *, name: str = "sharpne
                                         seq_len=seq_len, **extra),
                **rep.payload()}
     return payload, write_report(loaded.run.reports, name, payload, rep.rows())
+
+
+__all__ = ["LayerCurvature", "Sharpness", "SharpnessOptions", "SharpnessReport", "Slice1D", "Slice2D",
+           "asam_sharpness", "average_sharpness", "filter_normalized_direction", "loss_slice_1d", "loss_slice_2d",
+           "measure_per_layer", "measure_sharpness", "sam_sharpness", "worst_case_sharpness"]
