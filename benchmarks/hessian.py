@@ -47,7 +47,8 @@ def trained_model(overrides: list[str], steps: int, seq_len: int, tokens: int, s
     """Train a small baseline on pydoc (byte tokens) in a temporary run; return (model, x, y)."""
     from cemtool.config import resolve
     from cemtool.data.corpus import load_corpus, windows
-    from cemtool.runs import create_run, load_run
+    from cemtool.runs import create_run
+    from cemtool.subject import open_subject
     from cemtool.train import finalize_model_config, train
 
     sets = ["data.tokenizer=byte", f"data.seq_len={seq_len}", f"train.max_steps={steps}", "train.batch_size=32",
@@ -61,7 +62,7 @@ def trained_model(overrides: list[str], steps: int, seq_len: int, tokens: int, s
         corpus.tokenizer.save(run.path / "tokenizer.json")
         train(cfg, corpus, run, device="cpu")
         run.unlock()
-        loaded = load_run(run.path)
+        loaded = open_subject(run.path)
     x, y = windows(corpus.val, corpus.eval_windows(seq_len, tokens), seq_len)
     return loaded.model, x, y
 
@@ -275,16 +276,15 @@ def trace_only(args) -> bool:
 def hf_llama_part(args) -> None:
     """The same comparison on a model cemtool did not train: a tiny random-weight Hugging Face Llama (2 layers,
     d_model 64, 4 query / 2 key-value heads, byte vocabulary), saved with save_pretrained and loaded through
-    cemtool.foreign as every analysis loads it; both tools at their default stopping rules on 16 windows x 32 pydoc
+    cemtool.subject.hf as every analysis loads it; both tools at their default stopping rules on 16 windows x 32 pydoc
     bytes. A row to read, not a target."""
     try:
         import transformers
     except ImportError:
         print("\nHF Llama row skipped: transformers is not installed (pip install -e \".[hf]\")")
         return
-    from cemtool.analysis.hessian import evaluation_set
     from cemtool.data.tokenizer import byte_tokenizer
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=32,
@@ -293,13 +293,13 @@ def hf_llama_part(args) -> None:
     with tempfile.TemporaryDirectory() as d:
         transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
         transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer().hf).save_pretrained(d)
-        loaded = load_run(d, data="pydoc")
-        x, y = evaluation_set(loaded, 16 * 32)
+        loaded = open_subject(d, data="pydoc")
+        x, y = loaded.eval_set(16 * 32)
     model = loaded.model
     n = sum(p.numel() for p in model.parameters())
     ref = reference_top(model, x, y, args.k)
     ph, cem = run_tools(model, x, y, args, ref)
-    print(f"\nHF Llama (random weights, {n:,} parameters, loaded by cemtool.foreign), {y.numel():,} tokens: "
+    print(f"\nHF Llama (random weights, {n:,} parameters, loaded by cemtool.subject.hf), {y.numel():,} tokens: "
           f"top-{args.k} at each tool's default rule, {args.dtype}")
     print(f"{'tool':<12}{'HVPs':>8}{'wall s':>10}{'CPU s':>10}{'max rel err':>14}")
     for r in (ph, cem):

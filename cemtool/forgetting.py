@@ -83,7 +83,8 @@ from cemtool.errors import CemtoolError
 from cemtool.fileio import check_regular, read_bytes
 from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
-from cemtool.runs import Run, atomic_write_bytes, create_run, find_checkpoint, is_run, load_run, open_run, read_json
+from cemtool.runs import Run, atomic_write_bytes, create_run, find_checkpoint, is_run, open_run, read_json
+from cemtool.subject import open_subject
 
 Callback = Callable[[dict], None]
 
@@ -316,7 +317,7 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     resume: continue the fine-tune found at ``out`` (its report is returned as is if already written; a missing
     ``out`` starts afresh). force: move an existing ``out`` aside first. ``callback`` receives the training loop's
     events plus ``{"kind": "source_eval", "step", "source_loss"}``. ``source``: anything
-    :func:`cemtool.runs.load_run` loads (a run, a Hugging Face model directory or hf: id); ``data``: the source
+    :func:`cemtool.subject.open_subject` loads (a run, a Hugging Face model directory or hf: id); ``data``: the source
     data A (default the run's own; pydoc for a Hugging Face model), read with the source's tokenizer.
     """
     from cemtool.train import pick_device, train
@@ -324,7 +325,7 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     dev = device if isinstance(device, torch.device) else pick_device(device)
     main = init_distributed(dev).main  # under torchrun: DDP training, sharded evaluations, rank 0 writes
     check_same_device(dev)
-    loaded = load_run(source, checkpoint, data=data)  # read only: the source run is not locked
+    loaded = open_subject(source, checkpoint, data=data)  # read only: the source run is not locked
     src, src_cfg, tok = loaded.run, loaded.config, loaded.tokenizer
     check_tokenizer(tok.kind, target)
     weights = dict(loaded.model.state_dict())

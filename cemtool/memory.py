@@ -132,7 +132,7 @@ def check_memory(m: ModelConfig, device: str | torch.device = "cpu", *, batch_si
 def check_weights_memory(params: int, what: str, device: str | torch.device = "cpu") -> None:
     """Refuse a model of ``params`` parameters whose float32 weights (4 bytes each, as :func:`memory_estimate`
     counts them) cannot fit in the memory :func:`available_memory` reports, before it is built: for models whose
-    config is not cemtool's (cemtool.foreign counts their parameters). CEMTOOL_NO_MEMORY_CHECK=1 skips it."""
+    config is not cemtool's (cemtool.subject.hf counts their parameters). CEMTOOL_NO_MEMORY_CHECK=1 skips it."""
     avail = available_memory(device)
     if avail is None or os.environ.get("CEMTOOL_NO_MEMORY_CHECK", "") not in ("", "0"):
         return

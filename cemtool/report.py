@@ -26,7 +26,7 @@ def provenance(run_path: str | Path | None = None, *, seed: int | None = None, c
                step: int | None = None, **extra: Any) -> dict:
     """Where a report came from: the run, its checkpoint and step, the seed, versions and time, the CPU threads it
     was measured with (``cpu``: :func:`cemtool.threads.threads_info`); for a model cemtool did not train, what was
-    loaded and the check of its logits (``model_source.json``, cemtool.foreign)."""
+    loaded and the check of its logits (``model_source.json``, cemtool.subject.hf)."""
     from cemtool.threads import threads_info
 
     out = {"run": None if run_path is None else str(run_path), "checkpoint": checkpoint, "step": step,

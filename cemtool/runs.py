@@ -937,46 +937,6 @@ def _status(run: Run) -> str:
         return "unknown"
 
 
-@dataclass
-class LoadedRun:
-    model: torch.nn.Module
-    config: RunConfig
-    tokenizer: Any
-    run: Run
-    checkpoint: Path
-    step: int
-
-
-def load_run(path: str | Path, checkpoint: str | int = "final", device: str | torch.device = "cpu",
-             data: str | None = None) -> LoadedRun:
-    """Model (eval mode), config and tokenizer of a run: what every analysis command starts from. ``path`` may also
-    be a Hugging Face model directory or ``hf:ORG/NAME[@REVISION]`` (:mod:`cemtool.foreign`: the same LoadedRun,
-    evaluated on ``data``, default pydoc or an exported run's own data). ``data``: evaluation data instead of the run's
-    own (its tokenizer)."""
-    from cemtool.data.tokenizer import load_tokenizer
-    from cemtool.foreign import is_foreign, load_foreign
-    from cemtool.models.registry import build_model
-
-    if is_foreign(path):
-        return load_foreign(path, device=device, data=data, checkpoint=checkpoint)
-    run = open_run(path)
-    cfg = run.config()
-    if data is not None:
-        from cemtool.config import replace
-
-        cfg = replace(cfg, **{"data.source": data})
-    tok = load_tokenizer(run.path / "tokenizer.json")
-    ckpt = read_checkpoint(find_checkpoint(run, checkpoint), manifest(run))
-    if (run.path / "model_source.json").exists():  # a run made from a model cemtool did not train (a fine-tune)
-        from cemtool.foreign.loader import register_saved
-
-        register_saved(run.path)
-    model = build_model(cfg.model)
-    load_weights(model, ckpt)
-    model.to(device).eval()
-    return LoadedRun(model, cfg, tok, run, ckpt.path, ckpt.step)
-
-
 def list_runs(root: str | Path) -> list[dict]:
     """One row per run found under ``root`` (itself a run, or a folder of runs, searched recursively). A run
     marked running whose process is gone shows as 'stopped'; unreadable metric lines are noted in 'notes'."""

@@ -556,14 +556,13 @@ def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, 
 
 
 def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    from cemtool.analysis.hessian import evaluation_set
     from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     tokens, checkpoint = opts.pop("tokens", 2048), opts.pop("checkpoint", "final")
-    loaded = load_run(run_path, checkpoint, device=device)
-    x, y = evaluation_set(loaded, tokens)
+    loaded = open_subject(run_path, checkpoint, device=device)
+    x, y = loaded.eval_set(tokens)
     rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)), tokens_requested=tokens)
     write_sharpness_report(loaded, rep, seq_len=int(x.shape[1]), device=str(device), command="sweep")
 

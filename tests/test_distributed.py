@@ -245,7 +245,7 @@ def test_forgetting_on_two_ranks_gives_the_one_process_fine_tune(tmp_path, gramm
 
     from cemtool.cli.main import app
     from cemtool.data.corpus import load_corpus
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
     from cemtool.train import evaluate
 
     opts = ["--to", "grammar-b", "--steps", "6", "--eval-every", "3", "--device", "cpu", "--json"]
@@ -263,8 +263,8 @@ def test_forgetting_on_two_ranks_gives_the_one_process_fine_tune(tmp_path, gramm
     assert _close(one["before"]["source_loss"], two["before"]["source_loss"], 1e-12)
     assert _close(one["before"]["target_loss"], two["before"]["target_loss"], 1e-12)
     # the fine-tuned weights of the 2-rank run, evaluated in one process: its sharded evaluation
-    tuned = load_run(tmp_path / "two")
-    A = load_corpus(load_run(grammar_src).config.data, tokenizer=tuned.tokenizer)
+    tuned = open_subject(tmp_path / "two")
+    A = load_corpus(open_subject(grammar_src).config.data, tokenizer=tuned.tokenizer)
     T = tuned.config.data.seq_len
     loss = evaluate(tuned.model, A, A.eval_windows(T, tuned.config.train.eval_tokens), T, "cpu", precision="fp32")
     assert _close(loss, two["after"]["source_loss"], 1e-12)

@@ -13,8 +13,8 @@ from typer.testing import CliRunner
 from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError
-from cemtool.foreign.export import pick_target, refusals
 from cemtool.models.registry import build_model
+from cemtool.subject.hf.export import pick_target, refusals
 
 from conftest import train_tiny
 
@@ -45,9 +45,9 @@ def exported(tmp_path_factory, tied_run):
 
 def transformers_logits_match(run, out):
     """Logits of transformers' own AutoModelForCausalLM on the directory against the run's, on random sequences."""
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
-    loaded = load_run(run)
+    loaded = open_subject(run)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     idx = torch.randint(0, loaded.config.model.vocab_size, (3, loaded.config.model.max_seq_len),
                         generator=torch.Generator().manual_seed(1))  # (3, T)
@@ -90,7 +90,7 @@ def test_export_untied_head_dim_rope_base_eps_and_uniform_head_lists(tmp_path, t
 def test_gpt2_style_baseline_exports_as_gpt2_at_any_checkpoint(tmp_path, text_file):
     from safetensors.numpy import load_file
 
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
     run = train_tiny(tmp_path / "run", data=text_file,
                      extra=[*QUICK, "model.norm=layernorm", "model.pos=learned", "model.mlp=gelu",
@@ -103,7 +103,7 @@ def test_gpt2_style_baseline_exports_as_gpt2_at_any_checkpoint(tmp_path, text_fi
     assert json.loads(res.stdout)["architecture"] == "GPT2LMHeadModel"
     w = load_file(str(tmp_path / "hf1" / "model.safetensors"))
     assert not w["transformer.h.0.attn.c_attn.bias"].any() and w["transformer.h.0.attn.c_attn.weight"].shape == (32, 96)
-    step1, final = (load_run(run, c).model.tok_emb.weight.detach().numpy() for c in ("1", "final"))
+    step1, final = (open_subject(run, c).model.tok_emb.weight.detach().numpy() for c in ("1", "final"))
     np.testing.assert_array_equal(w["transformer.wte.weight"], step1)
     assert not np.array_equal(step1, final)
 

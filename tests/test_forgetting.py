@@ -16,7 +16,7 @@ from cemtool.data.grammar import default_grammar, grammar_b
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
 from cemtool.forgetting import REFERENCE, fine_tune, scaled_recipe
-from cemtool.runs import load_run
+from cemtool.subject import open_subject
 from cemtool.train import evaluate
 
 from conftest import train_tiny
@@ -135,7 +135,7 @@ def test_report_equals_recorded_and_remeasured_losses(forgot, grammar_run):
     assert (ft / "reports" / "forgetting.csv").read_text().count("\n") == 5
 
     # independent re-measurement: source and fine-tuned weights on both corpora's fixed windows
-    src, tuned = load_run(grammar_run), load_run(ft)
+    src, tuned = open_subject(grammar_run), open_subject(ft)
     T, n_tok = src.config.data.seq_len, tuned.config.train.eval_tokens
     A = load_corpus(src.config.data, tokenizer=src.tokenizer)
     B = load_corpus(tuned.config.data, tokenizer=src.tokenizer)

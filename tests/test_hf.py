@@ -1,4 +1,4 @@
-"""Models cemtool did not train (cemtool.foreign): tiny random-weight transformers models of every supported family,
+"""Models cemtool did not train (cemtool.subject.hf): tiny random-weight transformers models of every supported family,
 built here from transformers configs (no download) and saved with save_pretrained, analysed by every command."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
 from cemtool.models.capture import capture
 from cemtool.models.lm import lm_loss
-from cemtool.runs import load_run
+from cemtool.subject import open_subject
 
 FAMILIES = ("gpt2", "gpt_neox", "llama", "mistral", "qwen2")
 WORDS = [f"w{i}" for i in range(8)]
@@ -102,12 +102,12 @@ def test_every_analysis_runs_on_every_family(hf_models, text_file, word_text, fa
                for n in ("sharpness-layer-1-embed", "collapse", "saturation")}
     forgot = json.loads((ft / "reports" / "forgetting.json").read_text())
     assert forgot["source"]["data"] == text_file and [c["step"] for c in forgot["curve"]] == [0, 2]
-    src = load_run(d, data=text_file)  # step 0 is the source model on the source data's validation windows
+    src = open_subject(d, data=text_file)  # step 0 is the source model on the source data's validation windows
     corpus = load_corpus(src.config.data, tokenizer=src.tokenizer)
     x, y = windows(corpus.val, corpus.eval_windows(16, 64), 16)  # data.seq_len = max_position_embeddings
     with torch.no_grad():
         assert forgot["before"]["source_loss"] == pytest.approx(float(lm_loss(src.model(x), y)), rel=1e-5)
-    assert load_run(ft).config.model.arch == forgot["source"]["arch"]  # the fine-tune reloads (its own process too)
+    assert open_subject(ft).config.model.arch == forgot["source"]["arch"]  # the fine-tune reloads (its own process too)
     for rep in reports.values():
         src = rep["provenance"]["model_source"]
         assert src["logits_check"]["passed"] and src["logits_check"]["max_abs_diff"] <= 1e-5
@@ -130,7 +130,7 @@ def test_every_analysis_runs_on_every_family(hf_models, text_file, word_text, fa
 def test_parameter_subsets_by_cemtool_and_by_the_models_own_names(hf_models):
     from cemtool.analysis.hessian import select_parameters
 
-    model = load_run(hf_models["llama"]).model
+    model = open_subject(hf_models["llama"]).model
     names = lambda spec: [n for n, _ in select_parameters(model, spec)]  # noqa: E731
     assert names("layer:1") and all(n.startswith("blocks.1.layer.") for n in names("layer:1"))
     attn = set(names("attn"))  # cemtool's word rule: self_attn.* and post_attention_layernorm (the word attention)
@@ -167,16 +167,15 @@ def dense_hessian(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> t
 
 
 def test_sharpness_of_a_tiny_llama_matches_its_dense_hessian(tmp_path, word_text):
-    from cemtool.analysis.hessian import evaluation_set
 
     cfg = transformers.LlamaConfig(hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
                                    intermediate_size=2, max_position_embeddings=16, vocab_size=len(WORDS),
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True)
     d = save_tiny(tmp_path / "llama", cfg, word_tokenizer(WORDS))
-    loaded = load_run(d, data=word_text)
+    loaded = open_subject(d, data=word_text)
     n = sum(p.numel() for p in loaded.model.parameters())
     assert n <= 3000
-    x, y = evaluation_set(loaded, 32)  # 2 windows of 16 tokens
+    x, y = loaded.eval_set(32)  # 2 windows of 16 tokens
     ev = torch.linalg.eigvalsh(dense_hessian(loaded.model, x, y)).numpy()
     res = invoke("sharpness", d, "--data", word_text, "--tokens", 32, "--dtype", "fp64", "--top-k", 3,
                  "--bottom-k", 1, "--lanczos-steps", n, "--tol", 1e-10, "--trace-method", "hutch++",
@@ -195,7 +194,7 @@ def test_collapse_of_a_tiny_llama_equals_values_taken_from_v_proj(hf_models):
     transformers' own v_proj modules output (forward hooks on them, no cemtool hook point involved)."""
     from cemtool.analysis.collapse import collapse_report
 
-    model = load_run(hf_models["llama"]).model
+    model = open_subject(hf_models["llama"]).model
     x = torch.randint(0, 256, (6, 16), generator=torch.Generator().manual_seed(1))
     rep = collapse_report(model, x, alpha=0.5, batch_size=4)
     seen: dict[int, list] = {0: [], 1: []}
@@ -235,7 +234,7 @@ def test_collapse_of_a_tiny_llama_equals_values_taken_from_v_proj(hf_models):
 def test_query_and_key_weights_reproduce_the_hook_points(hf_models, family):
     """What rank truncation reads (attn.wq/wk .weight, bias as the last column, key-value heads repeated per query
     head) maps the attention's input to exactly the q and k at the hook points."""
-    model = load_run(hf_models[family]).model
+    model = open_subject(hf_models[family]).model
     x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
     inputs = []
     attn_mod = {"gpt2": lambda b: b.layer.attn, "gpt_neox": lambda b: b.layer.attention}.get(
@@ -260,7 +259,7 @@ def test_query_and_key_weights_reproduce_the_hook_points(hf_models, family):
 def test_truncation_at_the_hook_point_changes_the_model_and_full_rank_does_not(hf_models, text_file):
     from cemtool.analysis.saturation import mean_loss, truncated
 
-    model = load_run(hf_models["gpt_neox"]).model
+    model = open_subject(hf_models["gpt_neox"]).model
     x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
     y = torch.roll(x, -1, 1)
     base = mean_loss(model, x, y)
@@ -273,7 +272,7 @@ def test_truncation_at_the_hook_point_changes_the_model_and_full_rank_does_not(h
 
 
 def test_rope_order_makes_partial_rotary_planes_p_and_p_plus_half():
-    from cemtool.foreign.adapter import rope_order
+    from cemtool.subject.hf.adapter import rope_order
 
     order = rope_order(8, 4).tolist()  # rotary pairs (0, 2), (1, 3); coordinates 4..7 do not rotate
     assert order == [0, 1, 4, 5, 2, 3, 6, 7]
@@ -368,7 +367,7 @@ def test_without_transformers_the_error_names_the_extra(hf_models, monkeypatch):
 
 
 def test_token_ids_outside_the_models_vocabulary_are_refused(hf_models):
-    model = load_run(hf_models["gpt2"]).model
+    model = open_subject(hf_models["gpt2"]).model
     with pytest.raises(CemtoolError, match="outside the model's vocabulary of 256"):
         model(torch.tensor([[1, 2, 256]]))
     with pytest.raises(CemtoolError, match="longer than"):
@@ -379,7 +378,7 @@ def test_token_ids_outside_the_models_vocabulary_are_refused(hf_models):
 def test_values_replaced_at_hook_points_change_the_model_as_the_same_change_inside_transformers(hf_models, family):
     """Zeroing blocks.0.attn.z (and doubling blocks.1.resid_pre) through hooks on cemtool's hook points gives the
     logits of the same edit made on the transformers modules themselves."""
-    model = load_run(hf_models[family]).model
+    model = open_subject(hf_models[family]).model
     x = torch.randint(0, 256, (2, 10), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         base = model(x)
@@ -446,10 +445,10 @@ def test_every_transformers_call_refuses_remote_code(hf_models, monkeypatch):
     Path(d, "tokenizer.json").rename(Path(d, "tokenizer.json.off"))  # transformers' tokenizer path too
     try:
         with pytest.raises(CemtoolError, match="no usable tokenizer"):
-            load_run(d)
+            open_subject(d)
     finally:
         Path(d, "tokenizer.json.off").rename(Path(d, "tokenizer.json"))
-    load_run(d)
+    open_subject(d)
     assert {n for n, _ in seen} >= {"AutoConfig.from_pretrained", "AutoModelForCausalLM.from_pretrained",
                                     "AutoModelForCausalLM.from_config", "AutoTokenizer.from_pretrained"}
     assert all(v is False for _, v in seen), seen
@@ -476,7 +475,7 @@ def test_a_weight_file_linked_to_etc_passwd_is_not_parsed(hf_models, tmp_path, m
     d = copy_model(hf_models["llama"], tmp_path / "passwd")
     (d / "model.safetensors").unlink()
     (d / "model.safetensors").symlink_to("/etc/passwd")
-    import cemtool.foreign.loader as loader
+    import cemtool.subject.hf.loader as loader
 
     opened = []
     monkeypatch.setattr(loader, "read_header", lambda p: opened.append(p))
@@ -511,8 +510,8 @@ def offline_cache(monkeypatch, cache: Path, cwd: Path) -> None:
 def test_hub_cache_links_into_its_blobs_load_and_a_link_out_of_the_cache_is_refused(hf_models, tmp_path, monkeypatch):
     cache, snap = hub_cache(tmp_path, hf_models["gpt2"])
     offline_cache(monkeypatch, cache, tmp_path)
-    assert load_run("hf:acme/tiny").model.describe()["layers"] == 2
-    assert load_run(snap).model.describe()["layers"] == 2  # the snapshot folder given as a directory
+    assert open_subject("hf:acme/tiny").model.describe()["layers"] == 2
+    assert open_subject(snap).model.describe()["layers"] == 2  # the snapshot folder given as a directory
     outside = tmp_path / "elsewhere.json"
     outside.write_text((snap / "config.json").read_text())
     (snap / "config.json").unlink()
@@ -678,7 +677,7 @@ def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_r
     x = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     for source, want in ((hf_models["llama"], torch.float32), (hf_models["gpt2"], torch.float64),
                          (tiny_run, torch.float64)):
-        model = copy_.deepcopy(load_run(source).model).double()
+        model = copy_.deepcopy(open_subject(source).model).double()
         assert forward_precision(model, x) == want, source
         assert forward_precision(model.float(), x) == torch.float32
     res = invoke("sharpness", hf_models["llama"], "--dtype", "fp64", "--tokens", 64, "--top-k", 1, "--bottom-k", 1,

@@ -12,16 +12,16 @@ from cemtool.runs import (
     create_run,
     find_checkpoint,
     list_runs,
-    load_run,
     load_weights,
     open_run,
     read_checkpoint,
     save_checkpoint,
 )
+from cemtool.subject import open_subject
 
 
 def test_load_run_gives_model_config_tokenizer(tiny_run):
-    lr = load_run(tiny_run)
+    lr = open_subject(tiny_run)
     assert lr.config.model.arch == "baseline" and lr.tokenizer.vocab_size == 256
     assert not lr.model.training
     idx = torch.tensor([lr.tokenizer.encode("The quick fox")])
@@ -31,7 +31,7 @@ def test_load_run_gives_model_config_tokenizer(tiny_run):
 
 
 def test_checkpoint_round_trip_with_optimizer(tiny_run, tmp_path):
-    lr = load_run(tiny_run)
+    lr = open_subject(tiny_run)
     model = lr.model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
@@ -60,12 +60,12 @@ def test_truncated_and_corrupted_checkpoints(tiny_run, tmp_path):
     data = final.read_bytes()
     final.write_bytes(data[: len(data) // 2])
     with pytest.raises(CemtoolError, match="corrupted"):
-        load_run(run_dir)
+        open_subject(run_dir)
     flipped = bytearray(data)
     flipped[-10] ^= 0xFF
     final.write_bytes(bytes(flipped))
     with pytest.raises(CemtoolError, match="checksum"):
-        load_run(run_dir)
+        open_subject(run_dir)
     assert (run_dir / "config.json").exists()  # nothing else touched
 
 
@@ -116,7 +116,7 @@ def test_weights_that_do_not_fit(tiny_run, tmp_path):
     from cemtool.config import replace
     from cemtool.models import build_model
 
-    lr = load_run(tiny_run)
+    lr = open_subject(tiny_run)
     other = build_model(replace(lr.config.model, d_model=48, n_head=2))
     with pytest.raises(CemtoolError, match="does not fit"):
         load_weights(other, read_checkpoint(lr.checkpoint))

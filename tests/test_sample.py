@@ -25,9 +25,9 @@ def sample_json(run, *args):
 
 @pytest.fixture(scope="module")
 def loaded(tiny_run):
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
-    return load_run(tiny_run, "final")
+    return open_subject(tiny_run, "final")
 
 
 def argmax_decode(model, ids: list[int], n: int, context: int) -> list[int]:

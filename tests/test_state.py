@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError
-from cemtool.runs import Run, create_run, load_run, lock_for_reading, open_run
+from cemtool.runs import Run, create_run, lock_for_reading, open_run
+from cemtool.subject import open_subject
 
 from conftest import TINY, one_line_error
 
@@ -102,7 +103,7 @@ def test_the_analysis_lock_is_released_when_the_command_ends(tmp_path, tiny_run)
 
 def test_a_report_never_lands_in_a_run_that_replaced_the_measured_one(tmp_path, tiny_run):
     run = copy_run(tiny_run, tmp_path)
-    loaded = load_run(run)  # what an analysis measures (seed 0)
+    loaded = open_subject(run)  # what an analysis measures (seed 0)
     stale = Run(run)
     create_run(run, resolve(seed=7), force=True).unlock()  # moved aside under it (e.g. an old cemtool's --force)
     for write in (lambda: loaded.run.write_report("sharpness", {"x": 1}), lambda: loaded.run.plots,

@@ -227,8 +227,7 @@ def test_hf_tokenizer_json_for_text_is_saved_into_the_run(tmp_path, text_file):
 
 
 def test_train_on_nanogpt_folder_then_analyses_read_val_bin(tmp_path):
-    from cemtool.analysis.hessian import evaluation_set
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
     rng = np.random.default_rng(2)
     rng.integers(0, 50, 6000).astype(np.uint16).tofile(tmp_path / "train.bin")
@@ -237,9 +236,9 @@ def test_train_on_nanogpt_folder_then_analyses_read_val_bin(tmp_path):
     run = train_tiny(tmp_path / "run", data=str(tmp_path), extra=["train.max_steps=3", "model.vocab_size=64"])
     meta = json.loads((tmp_path / "run" / "meta.json").read_text())
     assert meta["corpus"]["val_file"] == str((tmp_path / "val.bin").resolve())
-    loaded = load_run(run)
+    loaded = open_subject(run)
     assert loaded.config.model.vocab_size == 64 and loaded.tokenizer.kind == "ids"
-    x, y = evaluation_set(loaded, 64)  # (4, 16): the first windows of val.bin
+    x, y = loaded.eval_set(64)  # (4, 16): the first windows of val.bin
     np.testing.assert_array_equal(x[0].numpy(), val[:16])
     np.testing.assert_array_equal(y[0].numpy(), val[1:17])
 

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from cemtool.config import TrainConfig, resolve
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
-from cemtool.runs import create_run, load_run, open_run
+from cemtool.runs import create_run, open_run
+from cemtool.subject import open_subject
 from cemtool.train import NonFiniteLoss, finalize_model_config, lr_at, make_optimizer, train
 
 from conftest import TINY
@@ -56,7 +57,7 @@ def test_schedules():
 
 
 def test_param_groups_decay_and_custom(tiny_run):
-    model = load_run(tiny_run).model
+    model = open_subject(tiny_run).model
     model.blocks[0].ln1.weight.opt_group = "router"
     model.blocks[0].ln1.weight.lr_mult = 10.0
     opt = make_optimizer(model, TrainConfig(lr=1e-3, weight_decay=0.1), torch.device("cpu"))
@@ -171,9 +172,9 @@ def test_non_finite_loss_marks_failed_and_keeps_checkpoint(tmp_path, text_file, 
     run.unlock()
     meta = open_run(run.path).meta()
     assert meta["status"] == "failed" and meta["error"] == "non-finite loss"
-    assert load_run(run.path, checkpoint="latest").step == 10
+    assert open_subject(run.path, checkpoint="latest").step == 10
     with pytest.raises(CemtoolError, match="no final checkpoint"):
-        load_run(run.path)
+        open_subject(run.path)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -223,7 +224,7 @@ def test_checkpoints_hold_only_weights_that_resume(tmp_path, text_file, monkeypa
         train(cfg, corpus, run, device="cpu")
     run.unlock()
     assert open_run(run.path).meta()["status"] == "failed"
-    latest = load_run(run.path, checkpoint="latest")
+    latest = open_subject(run.path, checkpoint="latest")
     assert latest.step >= 5
     assert all(torch.isfinite(p).all() for p in latest.model.parameters())
     from cemtool.data.corpus import batch_starts, windows
@@ -312,7 +313,7 @@ def test_absurd_model_refused_with_estimate_before_allocating(tmp_path, tiny_run
     (run / "config.json").write_text(json.dumps(cfg))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(CemtoolError, match=r"needs about [\d.]+ GiB .* but [\d.]+ GiB are available on cpu"):
-        load_run(run)
+        open_subject(run)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 200_000  # KiB: nothing big was allocated
     big = open_run(tiny_run).config().model
     est = memory_estimate(big, batch_size=8, seq_len=16, training=True)
@@ -322,7 +323,7 @@ def test_absurd_model_refused_with_estimate_before_allocating(tmp_path, tiny_run
     cfg["model"]["d_model"] = 10 ** 9  # beyond the field's range: refused by validation first
     (run / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CemtoolError, match="model.d_model=1000000000"):
-        load_run(run)
+        open_subject(run)
 
 
 def test_parameter_count_estimates_match_every_architecture():

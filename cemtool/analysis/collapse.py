@@ -222,7 +222,7 @@ def summarise_attention(sums: torch.Tensor, n_seq: int) -> dict:
 
 def kv_groups(att: dict, attn: torch.nn.Module | None) -> None:
     """Grouped- or multi-query attention (an attention module with ``n_kv_head`` < its query heads, e.g. a Llama
-    loaded by cemtool.foreign): add ``per_kv_head``, each key-value head's statistics averaged over the query heads
+    loaded by cemtool.subject.hf): add ``per_kv_head``, each key-value head's statistics averaged over the query heads
     that read it (query head h reads key-value head h // (H / n_kv_head)), and ``kv_head`` to each query head's row."""
     H, kv = len(att["per_head"]), getattr(attn, "n_kv_head", None)
     if not kv or kv >= H or H % kv:
@@ -831,13 +831,13 @@ def measure_run(path, *, label: str | None = None, checkpoint: str = "final", da
     reports/collapse.json holds under ``runs[0]``): collapse measures, per-layer summary, LIMe routing and
     momentum-stream scalars (each "not applicable" where the architecture has none). The defaults are
     ``cemtool collapse-report``'s; ``label`` defaults to the run folder's name. ``path``: anything
-    :func:`cemtool.runs.load_run` loads; ``data``: evaluation data instead of the run's own."""
+    :func:`cemtool.subject.open_subject` loads; ``data``: evaluation data instead of the run's own."""
     import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
     from cemtool.analysis.routing import lime_routing, stream_scalars
     from cemtool.data.corpus import load_corpus, windows
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
 
-    loaded = load_run(path, checkpoint=checkpoint, device=device, data=data)
+    loaded = open_subject(path, checkpoint=checkpoint, device=device, data=data)
     cfg = loaded.config
     T = seq_len or cfg.data.seq_len
     if T > cfg.model.max_seq_len:

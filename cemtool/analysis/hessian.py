@@ -70,7 +70,7 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
     ``embed`` (every parameter with that word in its dotted name: ``blocks.N.attn.*``, ``ln_attn``,
     ``attn_step``...; ``tok_emb``, ``head``...); or a glob on the names (``blocks.*.mlp.up.weight``), or on the
     model's own names where it has others (``model.parameter_aliases()``: a Hugging Face model's
-    ``model.layers.3.mlp.*``, cemtool.foreign).
+    ``model.layers.3.mlp.*``, cemtool.subject.hf).
     """
     named = [(n, p) for n, p in model.named_parameters()  # shared parameters appear once
              if not getattr(p, "fixed", None)]  # nor coordinates of the model (an export's added zeros)
@@ -418,20 +418,6 @@ def check_hvp_method(method: str, dtype: torch.dtype) -> None:
     if method == "fd" and dtype != torch.float64:
         raise CemtoolError("the central-difference HVP (--hvp fd) needs --dtype fp64: in fp32 the shifted weights "
                            "keep only about 3 digits of the step", hint="add --dtype fp64, or use --hvp exact")
-
-
-def evaluation_set(loaded, n_tokens: int, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fixed validation windows of a loaded run (:func:`cemtool.runs.load_run`) covering about ``n_tokens``
-    target tokens: inputs and targets (n, T) int64."""
-    from cemtool.data.corpus import load_corpus, windows
-
-    if n_tokens <= 0:
-        raise CemtoolError(f"the number of evaluation tokens must be positive, got {n_tokens}")
-    cfg = loaded.config
-    T = seq_len or cfg.data.seq_len
-    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
-    starts = corpus.eval_windows(T, n_tokens)
-    return windows(corpus.val, starts, T)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -889,5 +875,5 @@ def slq(op, runs: int = 3, steps: int = 80, *, seed: int = 0, sigma: float | Non
 
 
 __all__ = ["DenseOperator", "Density", "Eigenvalues", "Objective", "Trace", "available_memory", "check_memory",
-           "evaluation_set", "hutch_plus_plus", "hutchinson", "lanczos", "lanczos_iterate", "select_parameters",
+           "hutch_plus_plus", "hutchinson", "lanczos", "lanczos_iterate", "select_parameters",
            "slq", "smooth_density", "xtrace"]

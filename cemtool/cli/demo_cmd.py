@@ -107,9 +107,8 @@ def study_step(out: Path, plan, device: str, quiet: bool) -> dict:
 def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     """``cemtool sharpness RUN --params layer:N`` at the given settings -> reports/sharpness-layer-N.json (an
     existing report is kept, as the study keeps its own)."""
-    from cemtool.analysis.hessian import evaluation_set
     from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
-    from cemtool.runs import load_run
+    from cemtool.subject import open_subject
     from cemtool.train import pick_device
 
     name = f"sharpness-layer-{layer}"
@@ -119,8 +118,8 @@ def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     opts = dict(options)
     tokens = opts.pop("tokens")
     dev = pick_device(device)
-    loaded = load_run(run, "final", device=dev)
-    x, y = evaluation_set(loaded, tokens)
+    loaded = open_subject(run, "final", device=dev)
+    x, y = loaded.eval_set(tokens)
     rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(params=f"layer:{layer}", device=str(dev), **opts),
                             tokens_requested=tokens)
     return write_sharpness_report(loaded, rep, name=name, seq_len=int(x.shape[1]), device=str(dev),

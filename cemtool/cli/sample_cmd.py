@@ -38,7 +38,8 @@ def sample(
     from cemtool.generate import SampleOptions
     from cemtool.generate import sample as generate_samples
     from cemtool.report import provenance
-    from cemtool.runs import atomic_write_json, load_run
+    from cemtool.runs import atomic_write_json
+    from cemtool.subject import open_subject
     from cemtool.train import pick_device
 
     opts = SampleOptions(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed, num_samples=num_samples)
@@ -49,7 +50,7 @@ def sample(
         raise CemtoolError(f"--out {out} is a folder", hint="give the path of a JSON file to write")
     if out is not None and not out.parent.is_dir():
         raise CemtoolError(f"--out {out}: the folder {out.parent} does not exist", hint="create it first")
-    loaded = load_run(run, checkpoint, device=pick_device(device))
+    loaded = open_subject(run, checkpoint, device=pick_device(device))
     res = generate_samples(loaded, prompt, opts)
     payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=loaded.checkpoint.name,
                                         step=loaded.step, command="sample", arch=loaded.config.model.arch),

@@ -88,7 +88,8 @@ def analyze(
     from cemtool.models.allocation import layer_shapes
     from cemtool.models.registry import build_model
     from cemtool.report import provenance, replaced_data_note, write_report
-    from cemtool.runs import atomic_write_text, load_run, safe_name
+    from cemtool.runs import atomic_write_text, safe_name
+    from cemtool.subject import open_subject
     from cemtool.train import pick_device
 
     safe_name(name, "--name")
@@ -105,7 +106,7 @@ def analyze(
     dd = init_distributed(dev)  # under torchrun: the evaluation windows are sharded over the ranks
     check_same_device(dev)
     hold_run(run)  # shared: train --force cannot move the run aside until its report is written
-    loaded = load_run(run, checkpoint=checkpoint, device=dev, data=data)
+    loaded = open_subject(run, checkpoint=checkpoint, device=dev, data=data)
     cfg = loaded.config
     T = cfg.data.seq_len
     if tokens < T:

@@ -179,11 +179,12 @@ def sharpness(
     """Measure the curvature of a trained model's loss: extreme Hessian eigenvalues (Lanczos, both ends), trace,
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
-    from cemtool.analysis.hessian import evaluation_set, resolve_dtype
+    from cemtool.analysis.hessian import resolve_dtype
     from cemtool.analysis.sharpness import measure_sharpness, write_sharpness_report
     from cemtool.distributed import check_same_device, init_distributed
     from cemtool.report import replaced_data_note
-    from cemtool.runs import load_run, safe_name, to_json_value
+    from cemtool.runs import safe_name, to_json_value
+    from cemtool.subject import open_subject
     from cemtool.train import pick_device
 
     if backend not in ("cemtool", "pyhessian"):
@@ -232,8 +233,8 @@ def sharpness(
         raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                            "to measure")
     hold_run(run)  # shared: train --force cannot move the run aside until its report is written
-    loaded = load_run(run, checkpoint, device=dev, data=data)
-    x, y = evaluation_set(loaded, tokens)
+    loaded = open_subject(run, checkpoint, device=dev, data=data)
+    x, y = loaded.eval_set(tokens)
     arch = loaded.config.model.arch
     ckpt = loaded.checkpoint.name
     where = (f"{loaded.run.path}  arch {arch}  checkpoint {ckpt} (step {loaded.step})  N = {y.numel():,} "

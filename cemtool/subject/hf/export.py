@@ -47,8 +47,9 @@ import torch
 
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError
-from cemtool.foreign.loader import EXPORT_FILE
-from cemtool.runs import atomic_write_bytes, atomic_write_json, is_run, load_run
+from cemtool.runs import atomic_write_bytes, atomic_write_json, is_run
+from cemtool.subject import open_subject
+from cemtool.subject.hf.loader import EXPORT_FILE
 
 TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32
 WRITES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", EXPORT_FILE)
@@ -163,7 +164,7 @@ def llama_state_dict(model) -> dict[str, torch.Tensor]:
 def added_tensors(target: str, tensors: dict[str, torch.Tensor]) -> list[str]:
     """The tensors the export adds to the run's parameters: GPT-2's projection biases (zeros; cemtool's layers
     have none). Recorded in cemtool_export.json, so that an analysis of the export leaves them out (they would be
-    Hessian coordinates the run does not have: cemtool.foreign.loader.mark_added)."""
+    Hessian coordinates the run does not have: cemtool.subject.hf.loader.mark_added)."""
     if target != "GPT2LMHeadModel":
         return []
     return sorted(n for n in tensors if re.search(r"\.(attn\.c_attn|attn\.c_proj|mlp\.c_fc|mlp\.c_proj)\.bias$", n))
@@ -248,7 +249,7 @@ def export_record(loaded, added: list[str]) -> dict:
 def logits_difference(model, out: Path, target: str, sequences: int = 2, seed: int = 0) -> tuple[float, float]:
     """(max |logits of the exported directory (AutoModelForCausalLM.from_pretrained, fp32) - the run's|,
     max |logit|) on random sequences of max_seq_len tokens."""
-    from cemtool.foreign.loader import _transformers
+    from cemtool.subject.hf.loader import _transformers
 
     hf = _transformers().AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
                                                               use_safetensors=True).eval()
@@ -267,10 +268,10 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
     ``out`` needs ``force``."""
     from safetensors.torch import save
 
-    from cemtool.foreign.loader import _transformers
+    from cemtool.subject.hf.loader import _transformers
 
     _transformers()  # the check below needs it: fail before writing anything
-    loaded = load_run(run, checkpoint)
+    loaded = open_subject(run, checkpoint)
     model, out = loaded.model, Path(out)
     target = pick_target(model, f"run {loaded.run.path}")
     _check_target(out, loaded.run.path, force)

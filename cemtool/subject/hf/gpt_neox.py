@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from cemtool.foreign.adapter import Backbone, Family, Projection, Shape, rope_order
+from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape, rope_order
 
 
 class GPTNeoX(Family):

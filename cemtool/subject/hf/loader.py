@@ -15,7 +15,7 @@ Rules (docs/models.md):
   fetches only safetensors, JSON and tokenizer files;
 - ``hf:`` ids resolve through huggingface_hub's own cache (``HF_HOME``, ``HF_HUB_OFFLINE=1`` honoured);
 - the model is loaded in float32 with ``attn_implementation="eager"`` (double backward for Hessians, attention
-  probabilities for collapse and saturation) and wrapped in :class:`~cemtool.foreign.adapter.ForeignLM`;
+  probabilities for collapse and saturation) and wrapped in :class:`~cemtool.subject.hf.adapter.ForeignLM`;
 - its own tokenizer (``tokenizer.json``, else the files transformers converts to one); none is needed for
   pretokenised ids (``.bin``/``.npy`` data);
 - at load, the adapter's logits (with every hook point captured) are compared with the plain transformers forward
@@ -47,9 +47,9 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    from cemtool.foreign.gpt2 import GPT2
-    from cemtool.foreign.gpt_neox import GPTNeoX
-    from cemtool.foreign.llama import LlamaLike
+    from cemtool.subject.hf.gpt2 import GPT2
+    from cemtool.subject.hf.gpt_neox import GPTNeoX
+    from cemtool.subject.hf.llama import LlamaLike
 
     return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike()) for t in fam.model_types}
 
@@ -372,7 +372,7 @@ def register_arch(config: dict) -> str:
     body = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
     arch = f"hf-{config['model_type']}-{hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:6]}"
     _CONFIGS[arch] = body
-    register(arch, "foreign", build_foreign, description=f"transformers {config['model_type']} (cemtool.foreign)")
+    register(arch, "foreign", build_foreign, description=f"transformers {config['model_type']} (cemtool.subject.hf)")
     return arch
 
 
@@ -385,7 +385,7 @@ def build_foreign(cfg):
     """A registered foreign architecture with fresh weights: cemtool.models.registry's builder (ModelConfig ->
     module)."""
     transformers = _transformers()
-    from cemtool.foreign.adapter import ForeignLM
+    from cemtool.subject.hf.adapter import ForeignLM
 
     if cfg.heads or cfg.head_dims:  # e.g. saturation's allocation advice: its train command could not build it
         raise CemtoolError(f"per-layer allocation (model.heads, model.head_dims) does not apply to {cfg.arch}: a "
@@ -442,15 +442,16 @@ def eval_data(record: dict | None, data: str | None, seq_len: int | None, max_se
 
 def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = None, seq_len: int | None = None,
                  checkpoint: str | int = "final"):
-    """A :class:`cemtool.runs.LoadedRun` for a local HF directory or an hf: id: the wrapped model (eval mode), a
+    """A :class:`~cemtool.subject.base.Subject` for a local HF directory or an hf: id: the wrapped model (eval mode), a
     RunConfig whose data section is ``data`` (default ``pydoc``, or the run's own for a ``cemtool export``
     directory: :func:`eval_data`) read with the model's tokenizer, the tokenizer,
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
     from cemtool.config import RunConfig, to_dict
-    from cemtool.foreign.adapter import ForeignLM
-    from cemtool.runs import LoadedRun, Run, atomic_write_json
+    from cemtool.runs import Run, atomic_write_json
+    from cemtool.subject.base import Subject
+    from cemtool.subject.hf.adapter import ForeignLM
 
     spec = str(source)
     if checkpoint not in ("final", "latest"):
@@ -501,4 +502,4 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                  "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
-    return LoadedRun(model, cfg, tok, run, weights[0], None)
+    return Subject(model, cfg, tok, run, weights[0], None)

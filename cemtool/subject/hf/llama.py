@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cemtool.foreign.adapter import Backbone, Family, Projection, Shape
+from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
 
 
 class LlamaLike(Family):
