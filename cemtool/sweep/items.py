@@ -1,0 +1,190 @@
+"""What one item of a study does: train its run (or continue or skip it) and record its compute (parameters and
+FLOPs, the numbers ``cemtool compare`` reports), then run each chosen analysis unless its report exists, writing
+the report the analysis' own command would write."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from cemtool.config import RunConfig, to_dict
+from cemtool.config import replace as replace_config
+from cemtool.errors import CemtoolError
+from cemtool.runs import create_run, is_run, open_run
+from cemtool.sweep.manifest import Study, _not_a_link
+from cemtool.sweep.options import COLLAPSE_DEFAULTS
+from cemtool.sweep.plan import Plan, item_config
+
+Callback = Callable[[dict], None]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the analyses (each writes the report an analysis command would write)
+
+
+def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, Path | None]:
+    """(report file, fine-tune run dir or None) of one analysis of one item."""
+    run = study / item["run"]
+    if name == "forgetting":
+        from cemtool.forgetting import target_slug
+
+        ft = study / f"{item['run']}-ft-{target_slug(plan.target)}"
+        return ft / "reports" / "forgetting.json", ft
+    return run / "reports" / f"{name}.json", None
+
+
+def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
+    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
+    from cemtool.subject import open_subject
+
+    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    tokens, checkpoint = opts.pop("tokens", 2048), opts.pop("checkpoint", "final")
+    loaded = open_subject(run_path, checkpoint, device=device)
+    x, y = loaded.eval_set(tokens)
+    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)), tokens_requested=tokens)
+    write_sharpness_report(loaded, rep, seq_len=int(x.shape[1]), device=str(device), command="sweep")
+
+
+def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
+    from cemtool.analysis.collapse import all_rows, measure_run
+    from cemtool.report import provenance, write_report
+
+    opts = {**COLLAPSE_DEFAULTS, **options}
+    r = measure_run(run_path, label=run_path.name, device=device, **opts)
+    single = {"provenance": provenance(r["run"], seed=opts["seed"], checkpoint=r["checkpoint"], step=r["step"],
+                                       command="collapse-report", options=opts), "runs": [r]}
+    write_report(Path(r["run"]) / "reports", "collapse", single, all_rows(single))
+
+
+def _forgetting(run_path: Path, options: dict, device: torch.device, emit: Callback, target: str,
+                out: Path) -> None:
+    from cemtool.forgetting import fine_tune
+
+    opts = dict(options)
+    kw = {k: opts.pop(k) for k in ("steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint") if k in opts}
+    fine_tune(run_path, target, out, recipe=opts, device=device, resume=True, callback=emit, **kw)
+
+
+def _finished(item: dict) -> bool:
+    return item["status"] == "completed" and all(a["status"] == "completed" for a in item["analyses"].values())
+
+
+def _do_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
+    """Train one item (or continue or skip it), then run its analyses; a Ctrl-C marks it interrupted."""
+    try:
+        _train_item(study, item, dev, corpora, emit)
+        if item["status"] == "completed":
+            for name in study.plan.analyses:
+                _analyse(study, item, name, dev, emit)
+    except KeyboardInterrupt:
+        if item["status"] == "running":
+            item["status"] = "interrupted"
+        for a in item.get("analyses", {}).values():
+            if a["status"] == "running":
+                a["status"] = "interrupted"
+        if study.owned is None:
+            study.manifest["status"] = "interrupted"
+        study.save()
+        raise
+
+
+def _corpus(cfg: RunConfig, corpora: dict):
+    from cemtool.data.corpus import load_corpus
+
+    key = json.dumps(to_dict(cfg.data), sort_keys=True)
+    if key not in corpora:
+        corpora[key] = load_corpus(cfg.data)
+    return corpora[key]
+
+
+def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
+    """Train one item, or continue it, or skip it if completed; record its compute."""
+    from cemtool.forgetting import clear_partial_run
+    from cemtool.train import finalize_model_config, train
+
+    plan, path = study.plan, study.path / item["run"]
+    _not_a_link(path)
+    cfg = item_config(plan, item["arch"], item["seed"], item.get("point"))
+    clear_partial_run(path)
+    resume = is_run(path)
+    if resume:
+        run = open_run(path)
+        stored = run.config()
+        filled = replace_config(cfg, **{"model.vocab_size": stored.model.vocab_size,
+                                        "model.max_seq_len": stored.model.max_seq_len})
+        if to_dict(stored) != to_dict(filled):
+            raise CemtoolError(f"{path} holds a run with another config than the study plans",
+                               hint="move it away, or use another --out")
+        cfg = stored
+    if not resume or run.meta().get("status") != "completed":
+        corpus = _corpus(cfg, corpora)
+        if resume:
+            run.lock()  # train() marks it running again once its checkpoint has loaded
+        else:
+            cfg = finalize_model_config(cfg, corpus)
+            run = create_run(path, cfg, argv=sys.argv, device=str(dev),
+                             extra_meta={"corpus": corpus.info, "study": str(study.path.resolve()),
+                                         "item": item["name"]}, tokenizer=corpus.tokenizer)
+        item.update(status="running", error=None)
+        study.save()
+        try:
+            res = train(cfg, corpus, run, device=dev, resume=resume, callback=emit)
+        except CemtoolError as e:
+            item.update(status="failed", error=e.message)
+            study.save()
+            return
+        finally:
+            run.unlock()
+        if res.status != "completed":
+            raise KeyboardInterrupt  # train() caught a Ctrl-C and kept its last checkpoint
+    meta = run.meta()
+    item.update(status="completed", error=None, step=meta.get("step"), tokens=meta.get("tokens"),
+                val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), seconds=meta.get("train_seconds"))
+    if "flops_per_token" not in item:
+        from cemtool.analysis.compare import run_compute
+
+        item.update(run_compute(cfg))
+        item["total_flops"] = item["flops_per_token"] * (item["tokens"] or 0)
+    study.save()
+
+
+def _analyse(study: Study, item: dict, name: str, dev: torch.device, emit: Callback) -> None:
+    """Run one analysis of one item unless its report exists."""
+    plan = study.plan
+    report, ft = _report_path(study.path, item, name, plan)
+    entry = item["analyses"].setdefault(name, {"status": "pending", "report": None, "error": None})
+    if ft is not None:
+        _not_a_link(ft)
+        entry["run"] = ft.name
+    if report.exists():
+        if entry["status"] != "completed":
+            entry.update(status="completed", report=str(report.relative_to(study.path)), error=None)
+            study.save()
+        emit({"kind": "analysis", "analysis": name, "status": "skipped", "error": None})
+        return
+    entry.update(status="running", error=None)
+    study.save()
+    emit({"kind": "analysis", "analysis": name, "status": "running", "error": None})
+    t0 = time.perf_counter()
+    run_path, options = study.path / item["run"], plan.options.get(name, {})
+    try:
+        if name == "sharpness":
+            _sharpness(run_path, options, dev, emit)
+        elif name == "collapse":
+            _collapse(run_path, options, dev, emit)
+        else:
+            _forgetting(run_path, options, dev, emit, plan.target, ft)
+    except CemtoolError as e:
+        entry.update(status="failed", error=e.message, seconds=time.perf_counter() - t0)
+        study.save()
+        emit({"kind": "analysis", "analysis": name, "status": "failed", "error": e.message})
+        return
+    entry.update(status="completed", report=str(report.relative_to(study.path)), error=None,
+                 seconds=time.perf_counter() - t0)
+    study.save()
+    emit({"kind": "analysis", "analysis": name, "status": "completed", "error": None})
