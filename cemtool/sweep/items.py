@@ -12,13 +12,21 @@ from pathlib import Path
 
 import torch
 
+from cemtool.analysis.collapse import all_rows, measure_run
+from cemtool.analysis.compare import run_compute
+from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
+from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
+from cemtool.forgetting import clear_partial_run, fine_tune, target_slug
+from cemtool.report import provenance, write_report
 from cemtool.runs import create_run, is_run, open_run
 from cemtool.sweep.manifest import Study, _not_a_link
 from cemtool.sweep.options import COLLAPSE_DEFAULTS
+from cemtool.subject import open_subject
 from cemtool.sweep.plan import Plan, item_config
+from cemtool.train import finalize_model_config, train
 
 Callback = Callable[[dict], None]
 
@@ -31,17 +39,12 @@ def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, 
     """(report file, fine-tune run dir or None) of one analysis of one item."""
     run = study / item["run"]
     if name == "forgetting":
-        from cemtool.forgetting import target_slug
-
         ft = study / f"{item['run']}-ft-{target_slug(plan.target)}"
         return ft / "reports" / "forgetting.json", ft
     return run / "reports" / f"{name}.json", None
 
 
 def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
-    from cemtool.subject import open_subject
-
     opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
     tokens, checkpoint = opts.pop("tokens", 2048), opts.pop("checkpoint", "final")
     loaded = open_subject(run_path, checkpoint, device=device)
@@ -51,9 +54,6 @@ def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callba
 
 
 def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    from cemtool.analysis.collapse import all_rows, measure_run
-    from cemtool.report import provenance, write_report
-
     opts = {**COLLAPSE_DEFAULTS, **options}
     r = measure_run(run_path, label=run_path.name, device=device, **opts)
     single = {"provenance": provenance(r["run"], seed=opts["seed"], checkpoint=r["checkpoint"], step=r["step"],
@@ -63,8 +63,6 @@ def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callbac
 
 def _forgetting(run_path: Path, options: dict, device: torch.device, emit: Callback, target: str,
                 out: Path) -> None:
-    from cemtool.forgetting import fine_tune
-
     opts = dict(options)
     kw = {k: opts.pop(k) for k in ("steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint") if k in opts}
     fine_tune(run_path, target, out, recipe=opts, device=device, resume=True, callback=emit, **kw)
@@ -94,8 +92,6 @@ def _do_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: C
 
 
 def _corpus(cfg: RunConfig, corpora: dict):
-    from cemtool.data.corpus import load_corpus
-
     key = json.dumps(to_dict(cfg.data), sort_keys=True)
     if key not in corpora:
         corpora[key] = load_corpus(cfg.data)
@@ -104,9 +100,6 @@ def _corpus(cfg: RunConfig, corpora: dict):
 
 def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
     """Train one item, or continue it, or skip it if completed; record its compute."""
-    from cemtool.forgetting import clear_partial_run
-    from cemtool.train import finalize_model_config, train
-
     plan, path = study.plan, study.path / item["run"]
     _not_a_link(path)
     cfg = item_config(plan, item["arch"], item["seed"], item.get("point"))
@@ -146,8 +139,6 @@ def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit
     item.update(status="completed", error=None, step=meta.get("step"), tokens=meta.get("tokens"),
                 val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), seconds=meta.get("train_seconds"))
     if "flops_per_token" not in item:
-        from cemtool.analysis.compare import run_compute
-
         item.update(run_compute(cfg))
         item["total_flops"] = item["flops_per_token"] * (item["tokens"] or 0)
     study.save()

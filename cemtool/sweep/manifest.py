@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cemtool.config import parse_override
 from cemtool.errors import CemtoolError
+from cemtool.models.registry import get_arch
 from cemtool.runs import Run, atomic_write_json, now, open_lock_file, read_json
 from cemtool.sweep.options import ANALYSES, _whole
 from cemtool.sweep.plan import MAX_RUN_NAME, Plan, parse_grid, plan_items
@@ -173,8 +174,6 @@ def check_manifest(manifest, path: Path) -> None:
     """study.json as cemtool writes it, or one line naming the field that is not (a hand-edited or truncated file
     is not a traceback, and nothing is written from it): every field's type, statuses from the known sets, known
     architectures, run names that are plain folder names inside the study, finite numbers."""
-    from cemtool.models.registry import get_arch
-
     def bad(why: str) -> CemtoolError:
         return CemtoolError(f"{path} is not a valid study manifest ({why})",
                             hint="restore it, or start the study afresh in another --out")

@@ -9,6 +9,7 @@ import json
 import math
 from dataclasses import fields
 
+from cemtool.analysis.sharpness import SharpnessOptions
 from cemtool.errors import CemtoolError, known_hint
 
 ANALYSES = ("sharpness", "collapse", "forgetting")
@@ -20,8 +21,6 @@ FORGETTING_KEYS = {"steps", "warmup_steps", "eval_every", "eval_tokens", "checkp
 
 
 def _check_options(options: dict, chosen: list[str]) -> None:
-    from cemtool.analysis.sharpness import SharpnessOptions
-
     known = {"sharpness": {f.name for f in fields(SharpnessOptions)} - {"device"} | {"tokens", "checkpoint"},
              "collapse": set(COLLAPSE_DEFAULTS), "forgetting": FORGETTING_KEYS}
     for name, opts in options.items():
@@ -54,8 +53,6 @@ OPTION_VALUES = {
 def _check_option_values(name: str, opts: dict) -> None:
     """Every -A value of one analysis is of its type and in range, before the study exists (not after a run has
     trained): a NaN, a negative count or a string where a number goes is refused."""
-    from cemtool.analysis.sharpness import SharpnessOptions
-
     def check(key: str, v, tp: type, low, none_ok: bool) -> None:
         if v is None and none_ok:
             return

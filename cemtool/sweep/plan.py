@@ -12,9 +12,14 @@ import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
+import cemtool.data.synthetic  # noqa: F401 (registers its sources)
 from cemtool.config import RunConfig, is_section, parse_override, resolve, to_dict
+from cemtool.data.corpus import sources
+from cemtool.data.grammar import GRAMMARS
 from cemtool.errors import CemtoolError, UsageError, did_you_mean, known_hint
+from cemtool.forgetting import check_tokenizer
 from cemtool.sweep.options import ANALYSES, _check_options
+from cemtool.train import total_steps
 
 RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data",
             "schema_version": None}  # set by the sweep: refused in --set and --grid
@@ -170,9 +175,6 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     ``tokens`` defaults to what the first architecture's config trains on (train.max_tokens, else max_steps x
     batch). ``grid``: ['key=v1,v2', ...] (every point is trained); ``arch_overrides``: {arch: ['key=value']} (the
     tuned values, see :func:`plan_from_tuning`)."""
-    from cemtool.data.grammar import GRAMMARS
-    from cemtool.train import total_steps
-
     arch_list = _split_list(archs, "architecture", "architectures")
     seed_list = parse_seeds(seeds)
     chosen = _split_list(analyses, "analysis", "analyses") if analyses else []
@@ -223,8 +225,6 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     if "forgetting" not in chosen:
         target = None
     else:  # grammar corpora are read with their word tokenizer, text never is
-        from cemtool.forgetting import check_tokenizer
-
         check_tokenizer("word" if data in GRAMMARS else "text", target)
     options = {k: dict(v) for k, v in (options or {}).items()}
     _check_options(options, chosen)
@@ -265,9 +265,6 @@ def _point_str(point: dict) -> str:
 
 def check_data_source(data: str) -> None:
     """A training data source that is neither built in nor an existing file or folder is refused at planning."""
-    import cemtool.data.synthetic  # noqa: F401 (registers its sources)
-    from cemtool.data.corpus import sources
-
     if data not in sources() and not Path(data).expanduser().exists():
         raise CemtoolError(f"--data {data!r}: no such file or folder (and not a built-in source: "
                            f"{', '.join(sources())})", hint=did_you_mean(data, sources()))

@@ -13,6 +13,7 @@ from cemtool.sweep.items import Callback, _do_item, _finished
 from cemtool.sweep.manifest import Study, _retune, open_study
 from cemtool.sweep.plan import Plan
 from cemtool.sweep.workers import _run_workers
+from cemtool.train import pick_device
 
 
 def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.device | None = None,
@@ -25,8 +26,6 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
 
     ``jobs`` > 1: that many worker processes share the items (see :func:`_run_workers`); the callback then gets
     the item and analysis events (not the training steps), read from the manifest as the workers write it."""
-    from cemtool.train import pick_device
-
     if not isinstance(jobs, int) or jobs < 1:
         raise CemtoolError(f"--jobs must be a whole number >= 1, not {jobs!r}")
     study = open_study(out, plan)

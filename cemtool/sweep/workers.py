@@ -4,16 +4,20 @@ SIGTERM."""
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
+import multiprocessing as mp
 import os
+import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
 
 from cemtool.errors import CemtoolError
-from cemtool.runs import open_lock_file
+from cemtool.runs import open_lock_file, os_error
 from cemtool.sweep.items import Callback, _do_item, _finished
 from cemtool.sweep.manifest import Study, _not_a_link, read_manifest
 
@@ -36,10 +40,6 @@ def _run_workers(study: Study, asked: str | torch.device | None, dev: torch.devi
       worker also stops when this process dies (Linux: a parent-death signal).
 
     Returns the study as the workers left it."""
-    import multiprocessing as mp
-    import signal
-    import uuid
-
     for item in study.manifest["items"]:  # the serial path's checks of finished items
         if _finished(item):
             def emit(ev: dict, name: str = item["name"]) -> None:
@@ -138,10 +138,6 @@ def _progress(study: Study, seen: dict, callback: Callback | None) -> Study:
 def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: int, takes_ctrl_c: bool) -> None:
     """One worker process of :func:`_run_workers` (the spawn target): one line on stderr for an error, never a
     traceback (CEMTOOL_DEBUG=1 shows it)."""
-    import signal
-
-    from cemtool.runs import os_error
-
     def stop(signum, frame):  # stop once: a second signal must not cut short the saving of the item's state
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -150,8 +146,6 @@ def _worker(path: str, device: str, threads: int | None, sweep_id: str, parent: 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop if takes_ctrl_c else signal.SIG_IGN)
     try:  # Linux: a SIGTERM when the parent dies (a kill -9 of the sweep leaves no worker behind)
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
