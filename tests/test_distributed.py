@@ -208,8 +208,8 @@ def test_kept_graphs_stay_within_the_stated_budget():
 
 
 def test_probe_sample_merge_keeps_the_one_process_sample(monkeypatch):
-    from cemtool.analysis import collapse
-    from cemtool.analysis.collapse import ProbeClasses, ProbeSample
+    from cemtool.analysis import probe as collapse  # the probe's sample lives in analysis.probe
+    from cemtool.analysis.probe import ProbeClasses, ProbeSample
 
     classes = ProbeClasses(["a", "b"], [[1, 2], [3, 4]], "words")
     idx = torch.randint(0, 8, (6, 8), generator=torch.Generator().manual_seed(0))

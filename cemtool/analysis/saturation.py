@@ -51,10 +51,14 @@ import numpy as np
 import torch
 
 from cemtool.analysis.collapse import attention_row_stats
+from cemtool.config import replace, to_dict
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
+from cemtool.models.allocation import layer_shapes
 from cemtool.models.capture import capture, hook_points
 from cemtool.models.lm import lm_loss
+from cemtool.models.registry import build_model
+from cemtool.options import at_least, check_types
 
 # --------------------------------------------------------------------------------------------------------------
 # the truncation of one head
@@ -516,7 +520,96 @@ def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
     return out
 
 
-__all__ = ["SweepPoint", "advice_toml", "advised_config", "allocation_advice", "attention_layers", "data_factors",
-           "default_ranks", "effective_form", "head_projection", "logit_spread", "mean_loss", "rank_truncation",
-           "rope_planes", "rope_projection", "summarise_sweep", "svd_projection", "sweep_grid", "toml_text",
-           "truncated", "truncation_rows", "weight_factors"]
+# --------------------------------------------------------------------------------------------------------------
+# the analysis: Options and measure(subject, options)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What ``cemtool saturation RUN`` measures with: evaluation tokens (whole windows of the run's length), the
+    ranks r (default 0, powers of two, d_h), the basis of the score form, the loss increase a layer may take at
+    its tolerated rank, whether each head is also truncated alone, and windows per forward pass."""
+
+    tokens: int = 8192
+    ranks: tuple[int, ...] | None = None
+    basis: str = "auto"
+    tolerance: float = 0.01
+    per_head: bool = True
+    batch_size: int = 32
+
+    def __post_init__(self):
+        check_types(self, "saturation")
+        if self.basis not in ("auto", "weights", "data"):
+            raise CemtoolError(f"saturation.basis={self.basis!r}: choose auto, weights or data")
+        at_least(self, "saturation", tokens=1, batch_size=1, tolerance=0)
+        if self.ranks is not None and self.ranks and min(self.ranks) < 0:
+            raise CemtoolError("saturation.ranks must be >= 0")
+
+
+@dataclass
+class SaturationReport:
+    """The rank truncation of one subject and the allocation advice drawn from it."""
+
+    result: dict
+    advice: dict
+    options: Options
+    arch: str
+    checkpoint: str
+    step: int | None
+    asked: dict  # the options as recorded (with the checkpoint asked for)
+    label: str
+    advice_text: str | None = None
+
+    def payload(self) -> dict:
+        return {"arch": self.arch, "saturation": self.result, "advice": self.advice}
+
+    def rows(self) -> list[dict]:
+        return truncation_rows(self.result, self.label)
+
+    def provenance(self) -> dict:
+        return dict(checkpoint=self.checkpoint, step=self.step, command="saturation", options=self.asked)
+
+    def files(self) -> dict[str, str]:
+        return {"_advice.toml": self.advice_text} if self.advice_text is not None else {}
+
+
+def _advice(cfg, result: dict, tolerance: float) -> dict:
+    """A per-layer (heads, head_dims) schedule at the same budget, and whether the model builds with it."""
+    shapes = layer_shapes(cfg.model)
+    tolerated = {e["layer"]: e["tolerated_rank"] for e in result["layers"]}
+    sens = {e["layer"]: e["sensitivity"] for e in result["layers"]}
+    advice = allocation_advice(shapes, tolerated, sens, rope=cfg.model.pos == "rope", tolerance=tolerance)
+    try:
+        build_model(replace(cfg.model, heads=tuple(advice["heads"]), head_dims=tuple(advice["head_dims"])))
+        advice["applicable"] = True
+    except CemtoolError as e:
+        advice = {"applicable": False, "why": f"not applicable: {e.message}", **advice}
+    return advice
+
+
+def measure(subject, options: Options | None = None, progress: Callable[[str, int, int], None] | None = None
+            ) -> SaturationReport:
+    """Truncate every head's score form to rank r on the subject's validation windows; the allocation advice."""
+    o = options or Options()
+    cfg = subject.config
+    T = cfg.data.seq_len
+    if o.tokens < T:
+        raise CemtoolError(f"--tokens {o.tokens} is fewer than one window of {T} tokens")
+    x, y = subject.eval_set(o.tokens, T)  # (n, T)
+    ranks = list(o.ranks) if o.ranks else None
+    result = rank_truncation(subject.model, x, y, ranks=ranks, basis=o.basis, tolerance=o.tolerance,
+                             per_head=o.per_head, batch_size=o.batch_size, device=subject.device,
+                             progress=progress)
+    advice = _advice(cfg, result, o.tolerance)
+    asked = {"checkpoint": subject.checkpoint_asked, "tokens": o.tokens, "ranks": ranks, "basis": o.basis,
+             "tolerance": o.tolerance, "per_head": o.per_head}
+    text = advice_toml(advice, to_dict(cfg), str(subject.run.path)) if advice["applicable"] else None
+    return SaturationReport(result, advice, o, cfg.model.arch, str(subject.checkpoint), subject.step, asked,
+                            subject.run.path.name, text)
+
+
+__all__ = ["Options", "SaturationReport", "SweepPoint", "advice_toml", "advised_config", "allocation_advice",
+           "attention_layers", "data_factors", "default_ranks", "effective_form", "head_projection",
+           "logit_spread", "mean_loss", "measure", "rank_truncation", "rope_planes", "rope_projection",
+           "summarise_sweep", "svd_projection", "sweep_grid", "toml_text", "truncated", "truncation_rows",
+           "weight_factors"]

@@ -10,7 +10,9 @@ import typer
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded, hold_run
+from cemtool.cli.common import guarded
+from cemtool.errors import CemtoolError
+from cemtool.options import as_cli
 
 
 def _label(path: Path, taken: set[str]) -> str:
@@ -113,68 +115,50 @@ def collapse_report_cmd(
 ) -> None:
     """Value/hidden-state entropy, token separability, effective rank, cosine similarity, attention statistics,
     LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
-    from cemtool.analysis.collapse import all_rows, measure_run
-    from cemtool.distributed import check_same_device, init_distributed
-    from cemtool.report import provenance, write_report
+    from cemtool.analysis.collapse import Options, all_rows, options_dict  # start-up: torch loads when it runs
+    from cemtool.jobs import run_job, write_comparison
+    from cemtool.plots.collapse import plot_collapse
+    from cemtool.report import provenance
     from cemtool.runs import safe_name
-    from cemtool.train import pick_device
 
     safe_name(name, "--name")
-    if not alpha > 0:
-        raise typer.BadParameter(f"{alpha} is not a valid Rényi order (must be > 0)", param_hint="--alpha")
-    for what, v, lo in (("--tokens", tokens, 1), ("--batch-size", batch_size, 1), ("--folds", folds, 2),
-                        ("--per-class", per_class, 2), ("--k", k, 2), ("--min-per-class", min_per_class, 2)):
-        if v < lo:
-            raise typer.BadParameter(f"{v} is below the minimum {lo}", param_hint=what)
-    if per_class < min_per_class:
-        raise typer.BadParameter(f"{per_class} is below --min-per-class {min_per_class}", param_hint="--per-class")
-    if seq_len is not None and seq_len < 2:
-        raise typer.BadParameter(f"{seq_len} is below the minimum 2", param_hint="--seq-len")
     if words is not None and not words.strip(" ,"):
         raise typer.BadParameter("is empty: give at least 2 comma-separated words, or leave --words out for the "
                                  "default words", param_hint="--words")
     word_list = [w.strip() for w in words.split(",")] if words is not None else None  # an empty word is refused
+    opts = _options(Options, "collapse", tokens=tokens, seq_len=seq_len, batch_size=batch_size, alpha=alpha,
+                    words=word_list, k=k, folds=folds, per_class=per_class, min_per_class=min_per_class, seed=seed)
     taken: set[str] = set()
     labels = [_label(p, taken) for p in runs]
-    options = {"checkpoint": checkpoint, "data": data, "tokens": tokens, "seq_len": seq_len, "batch_size": batch_size,
-               "alpha": alpha, "words": word_list, "k": k, "folds": folds, "per_class": per_class,
-               "min_per_class": min_per_class, "seed": seed}
-    dev = pick_device(device)
-    dd = init_distributed(dev)  # under torchrun: the evaluation sequences are sharded over the ranks
-    check_same_device(dev)
-    for p in runs:
-        hold_run(p)  # shared: train --force cannot move a run aside until its report is written
-    measured = []
+    results = []
     with console.progress(quiet) as bar:
-        for p, label in zip(runs, labels, strict=True):
-            measured.append(measure_run(p, label=label, device=dev, progress=_bar_progress(bar, label), **options))
-    if not dd.main:  # every rank holds the same reduced results; rank 0 alone writes and prints
+        for p, label in zip(runs, labels, strict=True):  # each run's own report (figures: one run only)
+            results.append(run_job(p, "collapse", opts, _bar_progress(bar, label), checkpoint=checkpoint,
+                                   device=device, data=data, report_name=name, label=label,
+                                   plots=not no_plots and len(runs) == 1, provenance_extra={"name": name}))
+    if not results[0].written:  # every rank holds the same reduced results; rank 0 alone writes and prints
         return
-
-    written = []
-    for r in measured:  # each run's own report
-        single = {"provenance": provenance(r["run"], seed=seed, checkpoint=r["checkpoint"], step=r["step"],
-                                           command="collapse-report", name=name, options=options), "runs": [r]}
-        reports = Path(r["run"]) / "reports"
-        written.append(write_report(reports, name, single, all_rows(single))["json"])
-        if not no_plots and len(measured) == 1:  # several runs: the comparison's figures show each of them
-            from cemtool.plots.collapse import plot_collapse
-
-            plot_collapse(single, Path(r["run"]) / "plots", name)
+    measured = [r.report.run for r in results]
+    written = [r.paths["json"] for r in results]
+    options = {"checkpoint": checkpoint, "data": data, **options_dict(opts)}
     payload = {"provenance": provenance(None, seed=seed, command="collapse-report", name=f"{name}_compare",
-                                        options=options,
-                                        runs=[r["run"] for r in measured]), "runs": measured}
+                                        options=options, runs=[r["run"] for r in measured]), "runs": measured}
     if len(measured) > 1:
-        reports_dir = out if out is not None else Path(measured[0]["run"]) / "reports"
-        plots_dir = out / "plots" if out is not None else Path(measured[0]["run"]) / "plots"
-        written.append(write_report(reports_dir, f"{name}_compare", payload, all_rows(payload))["json"])
-        if not no_plots:
-            from cemtool.plots.collapse import plot_collapse
-
-            plot_collapse(payload, plots_dir, f"{name}_compare")
+        written.append(write_comparison(results, f"{name}_compare", payload, all_rows(payload), out,
+                                        plot=None if no_plots else plot_collapse))
     if json_:
         console.print_json([{"run": r["label"], "arch": r["arch"], **s} for r in measured for s in r["summary"]])
         return
     print_summary(payload)
     for w in written:
         console.result(f"wrote {w} (+ .csv)")
+
+
+def _options(cls, what: str, **values):
+    """The analysis's Options from the command line: a value they refuse is a usage error (exit 2) naming the
+    option as it is spelled here."""
+    try:
+        return cls(**values)
+    except CemtoolError as e:
+        message, flag = as_cli(e.message, cls, what)
+        raise typer.BadParameter(message, param_hint=flag) from None

@@ -7,7 +7,7 @@ parameters, collapse report, forgetting on ``grammar-b``), the runs are compared
 is drawn. Each step is a call of the Python function behind the corresponding command:
 
     1. train + sharpness + collapse + forgetting   cemtool.sweep.run_sweep          (cemtool sweep)
-    2. curvature per layer                         analysis.sharpness.measure_sharpness (sharpness --params layer:N)
+    2. curvature per layer                         jobs.run_job(RUN, "sharpness", ...)  (sharpness --params layer:N)
     3. compare                                     analysis.compare.compare / write_compare (cemtool compare)
     4. plot                                        plots.render.render_all            (cemtool plot)
 
@@ -107,23 +107,16 @@ def study_step(out: Path, plan, device: str, quiet: bool) -> dict:
 def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
     """``cemtool sharpness RUN --params layer:N`` at the given settings -> reports/sharpness-layer-N.json (an
     existing report is kept, as the study keeps its own)."""
-    from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
-    from cemtool.subject import open_subject
-    from cemtool.train import pick_device
+    from cemtool.analysis.sharpness import Options  # start-up: torch loads when the demo runs
+    from cemtool.jobs import run_job
 
     name = f"sharpness-layer-{layer}"
     path = run / "reports" / f"{name}.json"
     if path.exists():
         return path
-    opts = dict(options)
-    tokens = opts.pop("tokens")
-    dev = pick_device(device)
-    loaded = open_subject(run, "final", device=dev)
-    x, y = loaded.eval_set(tokens)
-    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(params=f"layer:{layer}", device=str(dev), **opts),
-                            tokens_requested=tokens)
-    return write_sharpness_report(loaded, rep, name=name, seq_len=int(x.shape[1]), device=str(dev),
-                                  command="demo")[1]["json"]
+    res = run_job(run, "sharpness", Options(params=f"layer:{layer}", **options), device=device, report_name=name,
+                  plots=False, provenance_extra={"command": "demo"}, hold=False)
+    return res.paths["json"]
 
 
 def layers_step(out: Path, manifest: dict, options: dict, device: str, quiet: bool) -> list[Path]:

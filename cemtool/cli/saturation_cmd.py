@@ -18,8 +18,9 @@ from typer.core import TyperGroup
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded, hold_run
+from cemtool.cli.common import guarded
 from cemtool.errors import CemtoolError
+from cemtool.options import as_cli
 
 
 class _RunOrCommand(TyperGroup):
@@ -80,73 +81,25 @@ def analyze(
 ) -> None:
     """Truncate every head's W_Q W_Kᵀ to rank r, record the loss increase, the logit spread vs context length,
     which layers tolerate low rank, and a per-layer (heads, head_dims) schedule at the same budget."""
-    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
-    from cemtool.analysis.saturation import advice_toml, allocation_advice, rank_truncation, truncation_rows
-    from cemtool.config import replace, to_dict
-    from cemtool.data.corpus import load_corpus, windows
-    from cemtool.distributed import check_same_device, init_distributed
-    from cemtool.models.allocation import layer_shapes
-    from cemtool.models.registry import build_model
-    from cemtool.report import provenance, replaced_data_note, write_report
-    from cemtool.runs import atomic_write_text, safe_name
-    from cemtool.subject import open_subject
-    from cemtool.train import pick_device
+    from cemtool.analysis.saturation import Options  # start-up: torch loads when the command runs
+    from cemtool.jobs import run_job
 
-    safe_name(name, "--name")
-    if basis not in ("auto", "weights", "data"):
-        raise typer.BadParameter(f"{basis!r}: choose auto, weights or data", param_hint="--basis")
-    if not tolerance >= 0:
-        raise typer.BadParameter(f"{tolerance} must be >= 0", param_hint="--tolerance")
-    if tokens < 1 or batch_size < 1:
-        raise typer.BadParameter("must be >= 1", param_hint="--tokens/--batch-size")
     rank_list = _ints(ranks, "--ranks") if ranks else None
-    if rank_list and min(rank_list) < 0:
-        raise typer.BadParameter("ranks must be >= 0", param_hint="--ranks")
-    dev = pick_device(device)
-    dd = init_distributed(dev)  # under torchrun: the evaluation windows are sharded over the ranks
-    check_same_device(dev)
-    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
-    loaded = open_subject(run, checkpoint=checkpoint, device=dev, data=data)
-    cfg = loaded.config
-    T = cfg.data.seq_len
-    if tokens < T:
-        raise CemtoolError(f"--tokens {tokens} is fewer than one window of {T} tokens")
-    corpus = load_corpus(cfg.data, tokenizer=loaded.tokenizer)
-    x, y = windows(corpus.val, corpus.eval_windows(T, tokens), T)
+    try:
+        opts = Options(tokens=tokens, ranks=tuple(rank_list) if rank_list else None, basis=basis,
+                       tolerance=tolerance, per_head=per_head, batch_size=batch_size)
+    except CemtoolError as e:
+        message, flag = as_cli(e.message, Options, "saturation")
+        raise typer.BadParameter(message, param_hint=flag or "--ranks") from None
     with console.progress(quiet) as bar:
         task = bar.add_task("truncation", total=None, status="")
-        result = rank_truncation(loaded.model, x, y, ranks=rank_list, basis=basis, tolerance=tolerance,
-                                 per_head=per_head, batch_size=batch_size, device=dev,
-                                 progress=lambda s, d, t: bar.update(task, completed=d, total=t, status=s))
-    if not dd.main:  # every rank holds the same results; rank 0 alone writes and prints
+        res = run_job(run, "saturation", opts, lambda s, d, t: bar.update(task, completed=d, total=t, status=s),
+                      checkpoint=checkpoint, device=device, data=data, report_name=name, plots=not no_plots,
+                      provenance_extra={"name": name})
+    if not res.written:  # every rank holds the same results; rank 0 alone writes and prints
         return
-    shapes = layer_shapes(cfg.model)
-    tolerated = {e["layer"]: e["tolerated_rank"] for e in result["layers"]}
-    sens = {e["layer"]: e["sensitivity"] for e in result["layers"]}
-    advice = allocation_advice(shapes, tolerated, sens, rope=cfg.model.pos == "rope", tolerance=tolerance)
-    try:
-        trial = replace(cfg.model, heads=tuple(advice["heads"]), head_dims=tuple(advice["head_dims"]))
-        build_model(trial)
-        advice["applicable"] = True
-    except CemtoolError as e:
-        advice = {"applicable": False, "why": f"not applicable: {e.message}", **advice}
-    reports = loaded.run.reports
-    payload = {"provenance": provenance(loaded.run.path, checkpoint=str(loaded.checkpoint), step=loaded.step,
-                                        command="saturation", name=name,
-                                        options={"checkpoint": checkpoint, "tokens": tokens, "ranks": rank_list,
-                                                 "basis": basis, "tolerance": tolerance, "per_head": per_head}),
-               "arch": cfg.model.arch, "saturation": result, "advice": advice}
-    replaced = replaced_data_note(reports / f"{name}.json", loaded.run.path)  # a Hugging Face model, other --data
-    paths = write_report(reports, name, payload, truncation_rows(result, loaded.run.path.name))
-    advice_path = None
-    if advice["applicable"]:
-        advice_path = reports / f"{name}_advice.toml"
-        atomic_write_text(advice_path, advice_toml(advice, to_dict(cfg), str(loaded.run.path)))
-    if not no_plots:
-        from cemtool.plots.saturation import plot_logits, plot_truncation
-
-        plot_truncation(payload, loaded.run.plots, name)
-        plot_logits(payload, loaded.run.plots, name)
+    result, advice, paths = res.report.result, res.report.advice, res.paths
+    advice_path, replaced = paths.get("advice.toml"), res.replaced
     if json_:
         console.print_json({"base_loss": result["base_loss"], "layers": [
             {k: e[k] for k in ("layer", "heads", "head_dim", "truncation", "basis", "ranks", "layer_loss_increase",

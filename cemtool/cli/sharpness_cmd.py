@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -103,10 +102,6 @@ def _given(ctx: typer.Context, option: str) -> bool:
     return source is not None and source.name != "DEFAULT"
 
 
-def _slug(params: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", params).strip("-") or "subset"
-
-
 @app.command()
 @guarded
 def sharpness(
@@ -179,97 +174,63 @@ def sharpness(
     """Measure the curvature of a trained model's loss: extreme Hessian eigenvalues (Lanczos, both ends), trace,
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
-    from cemtool.analysis.hessian import resolve_dtype
-    from cemtool.analysis.sharpness import measure_sharpness, write_sharpness_report
-    from cemtool.distributed import check_same_device, init_distributed
-    from cemtool.report import replaced_data_note
+    from cemtool.analysis.sharpness import check_per_layer  # start-up (torch)
+    from cemtool.jobs import run_job  # start-up: torch and matplotlib load when a command runs, not for --help
     from cemtool.runs import safe_name, to_json_value
-    from cemtool.subject import open_subject
-    from cemtool.train import pick_device
 
     if backend not in ("cemtool", "pyhessian"):
         raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
-    resolve_dtype(dtype)
-    if name is not None:
-        safe_name(name, "--name")
     if run.is_file():
         raise CemtoolError(f"{run} is a file, not a run directory", hint="pass the directory `cemtool train` made")
+    given = dict(tokens=tokens, top_k=top_k, bottom_k=bottom_k, lanczos_steps=lanczos_steps, trace_hvps=trace_hvps,
+                 density_runs=density_runs, density_steps=density_steps, avg_samples=avg_samples)
     if quick:  # small budgets for every option not given on the command line; a given one is kept as asked
-        q = {k: v for k, v in QUICK.items() if not _given(ctx, k)}
-        tokens, top_k, bottom_k = q.get("tokens", tokens), q.get("top_k", top_k), q.get("bottom_k", bottom_k)
-        lanczos_steps, trace_hvps = q.get("lanczos_steps", lanczos_steps), q.get("trace_hvps", trace_hvps)
-        density_runs, density_steps = q.get("density_runs", density_runs), q.get("density_steps", density_steps)
-        avg_samples = q.get("avg_samples", avg_samples)
-    if tokens <= 0:
-        raise UsageError(f"--tokens must be positive, got {tokens}", hint="the loss is a mean over tokens")
-    dev = pick_device(device)
-    dd = init_distributed(dev)  # under torchrun: the evaluation tokens are sharded over the ranks
-    check_same_device(dev)
-    if backend == "pyhessian" and dd.world > 1:
-        raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
+        given.update({k: v for k, v in QUICK.items() if not _given(ctx, k)})
+    if given["tokens"] <= 0:  # the option's own name (sharpness.Options says tokens)
+        raise UsageError(f"--tokens must be positive, got {given['tokens']}", hint="the loss is a mean over tokens")
+    if per_layer and params != "all":
+        raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
+                                 param_hint="--per-layer")
+    if per_layer and backend != "cemtool":
+        raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
     opts = _options(  # validated before anything is loaded
-        params=params, dtype=dtype, batch_size=batch_size, top_k=top_k, bottom_k=bottom_k,
-        lanczos_steps=lanczos_steps, tol=tol,
-        trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), trace_hvps=trace_hvps,
-        density_runs=density_runs, density_steps=density_steps, density_sigma=density_sigma, sam_rho=sam_rho,
-        asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho, avg_samples=avg_samples,
-        landscape=landscape,
-        slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
-        slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11),
-        slice_span=slice_span, seed=seed, device=str(dev), graph_memory=graph_memory, hvp=hvp)
+        **{k: v for k, v in given.items() if k not in ("slice_points", "slice_points_2d")},
+        params=params, dtype=dtype, batch_size=batch_size, tol=tol, per_layer=per_layer,
+        trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), density_sigma=density_sigma,
+        sam_rho=sam_rho, asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho,
+        landscape=landscape, slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
+        slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11), slice_span=slice_span,
+        seed=seed, graph_memory=graph_memory, hvp=hvp)
     if per_layer:
-        from cemtool.analysis.sharpness import check_per_layer
-
-        if params != "all":
-            raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
-                                     param_hint="--per-layer")
-        if backend != "cemtool":
-            raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
-        check_per_layer(opts)
-    if backend == "pyhessian" and hvp != "exact":
-        raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
-                           hint="drop --hvp, or use --backend cemtool")
-    if backend == "pyhessian" and top_k + trace_hvps + density_runs == 0:
-        raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
-                           "to measure")
-    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
-    loaded = open_subject(run, checkpoint, device=dev, data=data)
-    x, y = loaded.eval_set(tokens)
-    arch = loaded.config.model.arch
-    ckpt = loaded.checkpoint.name
-    where = (f"{loaded.run.path}  arch {arch}  checkpoint {ckpt} (step {loaded.step})  N = {y.numel():,} "
-             f"evaluation tokens ({x.shape[0]} windows × {x.shape[1]})  {dtype} on {dev}")
-    console.info(where, quiet)
-    seq = x.shape[1]
-    if per_layer:
-        _per_layer(loaded, x, y, opts, name=name or "sharpness-per-layer", quiet=quiet, json_=json_,
-                   main=dd.main)
-        return
+        check_per_layer(opts)  # what --per-layer can measure: a plain error (exit 1), before anything is loaded
+    if name is not None:
+        safe_name(name, "--name")
     if backend == "pyhessian":
-        _pyhessian(loaded, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size, top_k=top_k,
-                   trace_hvps=trace_hvps, density_runs=density_runs, density_steps=density_steps, seed=seed,
-                   name=name or "sharpness_pyhessian", quiet=quiet, json_=json_, where=where, tokens=tokens)
+        _pyhessian(run, opts, checkpoint=checkpoint, data=data, device=device,
+                   name=name or "sharpness_pyhessian", quiet=quiet, json_=json_)
         return
 
+    def announce(subject) -> None:
+        x, y = subject.eval_set(opts.tokens)
+        console.info(f"{subject.run.path}  arch {subject.arch}  checkpoint {subject.checkpoint.name} (step "
+                     f"{subject.step})  N = {y.numel():,} evaluation tokens ({x.shape[0]} windows × {x.shape[1]})  "
+                     f"{dtype} on {subject.device}", quiet)
+
+    t0 = time.perf_counter()
     with StageBar(quiet) as bar:
-        rep = measure_sharpness(loaded.model, x, y, opts, progress=bar, tokens_requested=tokens)
-    if not dd.main:  # every rank holds the same results; rank 0 alone writes and prints
+        res = run_job(run, "sharpness", opts, bar, checkpoint=checkpoint, device=device, data=data,
+                      report_name=name, plots=plot and not no_plot, on_open=announce)
+    if not res.written:  # every rank holds the same results; rank 0 alone writes and prints
         return
-    report_name = name or ("sharpness" if params == "all" else f"sharpness-{_slug(params)}")
-    replaced = replaced_data_note(loaded.run.reports / f"{report_name}.json", loaded.run.path)
-    if replaced:  # a Hugging Face model's report measured on other --data
-        rep.notes.append(replaced)
-    payload, paths = write_sharpness_report(loaded, rep, name=report_name, seq_len=seq, device=str(dev))
-    figures = []
-    if plot and not no_plot:
-        from cemtool.plots.sharpness import plot_sharpness
-
-        figures = plot_sharpness(payload, loaded.run.plots, prefix=report_name)
     if json_:
-        console.print_json(to_json_value(payload))  # strict JSON: null for non-finite numbers, as in the report
+        console.print_json(to_json_value(res.payload))  # strict JSON: null for non-finite numbers, as in the report
         return
-    console.table(f"sharpness of {arch} ({rep.n_params:,} of {rep.n_model_params:,} parameters: {params}) on "
-                  f"N = {rep.tokens:,} tokens", ["quantity", "value", "notes"], _summary(rep, where))
+    if per_layer:
+        _print_per_layer(res, time.perf_counter() - t0)
+        return
+    rep, paths, figures = res.report, res.paths, res.figures
+    console.table(f"sharpness of {rep.arch} ({rep.n_params:,} of {rep.n_model_params:,} parameters: {params}) on "
+                  f"N = {rep.tokens:,} tokens", ["quantity", "value", "notes"], _summary(rep, ""))
     console.result(f"{rep.hvps} HVPs, {rep.evaluations} loss and {rep.gradients} gradient passes in "
                    f"{rep.seconds:.1f} s; N = {rep.tokens:,} tokens, seed {seed}")
     console.result(f"report: {paths['json']}  table: {paths['csv']}"
@@ -278,68 +239,76 @@ def sharpness(
         console.result(f"note: {note}")
 
 
-def _per_layer(loaded, x, y, opts, *, name: str, quiet: bool, json_: bool, main: bool) -> None:
-    """--per-layer: λ_max and tr(H) of each layer's Hessian block, one row per layer (JSON, CSV and Markdown)."""
-    from cemtool.analysis.sharpness import measure_per_layer, write_per_layer_report
-
-    t0 = time.perf_counter()
-    with StageBar(quiet) as bar:
-        layers = measure_per_layer(loaded.model, x, y, opts, progress=bar)
-    if not main:
-        return
-    payload, paths = write_per_layer_report(loaded, layers, opts, tokens=int(y.numel()), name=name,
-                                            seq_len=int(x.shape[1]), device=opts.device)
-    if json_:
-        console.print_json(payload)
-        return
+def _print_per_layer(res, seconds: float) -> None:
+    """--per-layer: the table of each layer's λ_max and tr(H)."""
+    layers, opts = res.report.layers, res.report.options
     rows = [[str(r.layer), f"{r.n_params:,}",
              "" if r.lambda_max is None else f"{_fmt(r.lambda_max)} (err ≤~{_fmt(r.lambda_max_error, 2)})",
              "" if r.lambda_max_converged is None else ("yes" if r.lambda_max_converged else "NOT converged"),
              _pm(r.trace, r.trace_se) if r.trace is not None else "",
              _pm(r.trace_per_param, r.trace_per_param_se) if r.trace is not None else "",
              f"{r.lanczos_hvps} + {r.trace_hvps}"] for r in layers]
-    console.table(f"per-layer curvature of {loaded.config.model.arch} on N = {int(y.numel()):,} tokens "
+    console.table(f"per-layer curvature of {res.report.arch} on N = {res.report.tokens:,} tokens "
                   f"(trace: {layers[0].trace_method or 'skipped'}, ± standard error)",
                   ["layer", "parameters", "λ_max", "converged", "tr(H)", "tr(H)/n", "HVPs"], rows)
-    console.result(f"{len(layers)} layers in {time.perf_counter() - t0:.1f} s; seed {opts.seed}")
-    console.result(f"report: {paths['json']}  table: {paths['csv']}, {paths['md']}")
+    console.result(f"{len(layers)} layers in {seconds:.1f} s; seed {opts.seed}")
+    console.result(f"report: {res.paths['json']}  table: {res.paths['csv']}, {res.paths['md']}")
 
 
 def _options(**options):
     """The measurement's options, every one from the command line: a value they refuse is a usage error (exit 2)."""
-    from cemtool.analysis.sharpness import SharpnessOptions
+    from cemtool.analysis.sharpness import Options  # start-up (torch)
 
     try:
-        return SharpnessOptions(**options)
+        return Options(**options)
     except UsageError:
         raise
     except CemtoolError as e:
         raise UsageError(e.message, hint=e.hint) from None
 
 
-def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_hvps, density_runs, density_steps,
-               seed, name, quiet, json_, where, tokens) -> None:
-    """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens."""
-    from dataclasses import asdict
+def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: str, name: str, quiet: bool,
+               json_: bool) -> None:
+    """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens (the
+    cross-check backend: it writes its own report, sharpness_pyhessian)."""
+    from dataclasses import asdict, replace
 
-    from cemtool.analysis.pyhessian_backend import run_pyhessian
-    from cemtool.analysis.sharpness import tokens_note
+    from cemtool.analysis.pyhessian_backend import run_pyhessian  # optional dependency: PyHessian
+    from cemtool.analysis.sharpness import report_name, tokens_note  # start-up (torch)
+    from cemtool.distributed import init_distributed
     from cemtool.report import provenance, write_report
     from cemtool.runs import read_json, to_json_value
+    from cemtool.subject import open_subject
+    from cemtool.train import pick_device
 
+    if opts.hvp != "exact":
+        raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
+                         hint="drop --hvp, or use --backend cemtool")
+    if opts.top_k + opts.trace_hvps + opts.density_runs == 0:
+        raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
+                         "to measure")
+    dev = pick_device(device)
+    if init_distributed(dev).world > 1:
+        raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
+    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
+    loaded = open_subject(run, checkpoint, device=dev, data=data)
+    tokens, params, dtype, seed = opts.tokens, opts.params, opts.dtype, opts.seed
+    top_k, trace_hvps, density_runs, density_steps = opts.top_k, opts.trace_hvps, opts.density_runs, opts.density_steps
+    batch_size = opts.batch_size
+    x, y = loaded.eval_set(tokens)
     steps = tuple(s for s, on in (("eigenvalues", top_k > 0), ("trace", trace_hvps > 0),
                                   ("density", density_runs > 0)) if on)  # a budget of 0 skips, as with cemtool
     console.info(f"running PyHessian ({', '.join(steps)}; power iteration, Hutchinson with its own stopping rule, "
                  "SLQ)", quiet)
     t0 = time.perf_counter()
-    res = run_pyhessian(loaded.model, x, y, params=params, dtype=dtype, device=device, batch_size=batch_size,
+    res = run_pyhessian(loaded.model, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size,
                         top_k=max(top_k, 1), density_runs=max(density_runs, 1), density_steps=density_steps,
                         seed=seed, steps=steps)
     seconds = time.perf_counter() - t0
     ckpt = loaded.checkpoint.name
     payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
                                         analysis="sharpness", backend="pyhessian", pyhessian=res.version,
-                                        tokens=res.tokens, device=str(device)),
+                                        tokens=res.tokens, device=str(dev)),
                "params": params, "dtype": dtype, "seconds": seconds, "steps": list(steps),
                "tokens_requested": tokens,
                "notes": [tokens_note(tokens, res.tokens, int(x.shape[0]), int(x.shape[1]))] if tokens != res.tokens
@@ -354,7 +323,7 @@ def _pyhessian(loaded, x, y, *, params, dtype, device, batch_size, top_k, trace_
         console.print_json(to_json_value(payload))
         return
     ours = None
-    mine = loaded.run.reports / ("sharpness.json" if params == "all" else f"sharpness-{_slug(params)}.json")
+    mine = loaded.run.reports / f"{report_name(replace(opts, per_layer=False))}.json"
     if mine.exists():
         rep = read_json(mine, "report")
         if rep.get("tokens") == res.tokens and rep.get("options", {}).get("params") == params:

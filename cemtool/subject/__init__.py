@@ -20,8 +20,11 @@ def open_subject(spec: str | Path, checkpoint: str | int = "final", device: str 
     ``hf:ORG/NAME[@REVISION]``, evaluated on ``data``, default pydoc or an exported run's own data).
     ``data``: evaluation data instead of the run's own (read with the model's tokenizer)."""
     if is_foreign(spec):
-        return load_foreign(spec, device=device, data=data, checkpoint=checkpoint)
-    return open_run_subject(spec, checkpoint, device=device, data=data)
+        subject = load_foreign(spec, device=device, data=data, checkpoint=checkpoint)
+    else:
+        subject = open_run_subject(spec, checkpoint, device=device, data=data)
+    subject.checkpoint_asked, subject.data_asked = checkpoint, data
+    return subject
 
 
 __all__ = ["Subject", "open_subject"]

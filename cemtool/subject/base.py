@@ -8,10 +8,11 @@ of the model inside (hook points, attention shapes, q/k weights, routers) is the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import cemtool.data.synthetic  # noqa: F401  (registers the ngram source: a run may evaluate on it)
 from cemtool.config import RunConfig
 from cemtool.data.corpus import load_corpus, windows
 from cemtool.errors import CemtoolError
@@ -33,6 +34,21 @@ class Subject:
     run: Run
     checkpoint: Path
     step: int | None
+    checkpoint_asked: str | int = "final"  # the checkpoint as asked for (final, latest, a step, a file)
+    data_asked: str | None = None  # evaluation data asked for instead of the model's own
+    label: str | None = None  # its name in a comparison of several subjects (default: the run folder's name)
+
+    _eval: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.label is None:
+            self.label = self.run.path.name
+
+    @property
+    def device(self) -> str:
+        """Where the model's parameters are (what reports record as the device)."""
+        p = next(self.model.parameters(), None)
+        return "cpu" if p is None else str(p.device)
 
     @property
     def reports(self) -> Path:
@@ -52,9 +68,11 @@ class Subject:
         if tokens <= 0:
             raise CemtoolError(f"the number of evaluation tokens must be positive, got {tokens}")
         T = seq_len or self.config.data.seq_len
-        corpus = load_corpus(self.config.data, tokenizer=self.tokenizer)
-        starts = corpus.eval_windows(T, tokens)
-        return windows(corpus.val, starts, T)  # (n, T), (n, T)
+        if self._eval is None or self._eval[0] != (tokens, T):  # the last set is kept: asked again, it is reused
+            corpus = load_corpus(self.config.data, tokenizer=self.tokenizer)
+            starts = corpus.eval_windows(T, tokens)
+            self._eval = ((tokens, T), windows(corpus.val, starts, T))  # (n, T), (n, T)
+        return self._eval[1]
 
 
 __all__ = ["Subject"]

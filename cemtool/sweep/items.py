@@ -12,19 +12,16 @@ from pathlib import Path
 
 import torch
 
-from cemtool.analysis.collapse import all_rows, measure_run
 from cemtool.analysis.compare import run_compute
-from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness, write_sharpness_report
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
 from cemtool.forgetting import clear_partial_run, fine_tune, target_slug
-from cemtool.report import provenance, write_report
+from cemtool.jobs import run_job
 from cemtool.runs import create_run, is_run, open_run
 from cemtool.sweep.manifest import Study, _not_a_link
-from cemtool.sweep.options import COLLAPSE_DEFAULTS
-from cemtool.subject import open_subject
+from cemtool.sweep.options import analysis_options
 from cemtool.sweep.plan import Plan, item_config
 from cemtool.train import finalize_model_config, train
 
@@ -44,21 +41,11 @@ def _report_path(study: Path, item: dict, name: str, plan: Plan) -> tuple[Path, 
     return run / "reports" / f"{name}.json", None
 
 
-def _sharpness(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    opts = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
-    tokens, checkpoint = opts.pop("tokens", 2048), opts.pop("checkpoint", "final")
-    loaded = open_subject(run_path, checkpoint, device=device)
-    x, y = loaded.eval_set(tokens)
-    rep = measure_sharpness(loaded.model, x, y, SharpnessOptions(**opts, device=str(device)), tokens_requested=tokens)
-    write_sharpness_report(loaded, rep, seq_len=int(x.shape[1]), device=str(device), command="sweep")
-
-
-def _collapse(run_path: Path, options: dict, device: torch.device, emit: Callback) -> None:
-    opts = {**COLLAPSE_DEFAULTS, **options}
-    r = measure_run(run_path, label=run_path.name, device=device, **opts)
-    single = {"provenance": provenance(r["run"], seed=opts["seed"], checkpoint=r["checkpoint"], step=r["step"],
-                                       command="collapse-report", options=opts), "runs": [r]}
-    write_report(Path(r["run"]) / "reports", "collapse", single, all_rows(single))
+def _measure(name: str, run_path: Path, options: dict, device: torch.device) -> None:
+    """A registered analysis of one item, through the one runner (no figures: the study's plot step draws them)."""
+    checkpoint, opts = analysis_options(name, options)
+    run_job(run_path, name, opts, checkpoint=checkpoint, device=device, report_name=name, plots=False,
+            provenance_extra={"command": "sweep"} if name == "sharpness" else None, hold=False)
 
 
 def _forgetting(run_path: Path, options: dict, device: torch.device, emit: Callback, target: str,
@@ -164,12 +151,10 @@ def _analyse(study: Study, item: dict, name: str, dev: torch.device, emit: Callb
     t0 = time.perf_counter()
     run_path, options = study.path / item["run"], plan.options.get(name, {})
     try:
-        if name == "sharpness":
-            _sharpness(run_path, options, dev, emit)
-        elif name == "collapse":
-            _collapse(run_path, options, dev, emit)
-        else:
+        if name == "forgetting":
             _forgetting(run_path, options, dev, emit, plan.target, ft)
+        else:
+            _measure(name, run_path, options, dev)
     except CemtoolError as e:
         entry.update(status="failed", error=e.message, seconds=time.perf_counter() - t0)
         study.save()
