@@ -5,7 +5,9 @@
 Reads every module under the package (cemtool/ beside this script, or --root) with `ast`, without importing it, and
 counts every import statement: at module level and inside functions, `import x` and `from x import y`, relative
 ones too. `from cemtool.pkg import name` is an edge to cemtool.pkg.name when that is a module, else to cemtool.pkg.
-Imports under `if TYPE_CHECKING:` never run, so they are counted but make no edge. Prints
+Importing cemtool.pkg.mod also runs cemtool/pkg/__init__.py, so it is an edge to cemtool.pkg as well, unless the
+importer is itself inside cemtool.pkg (which is then already loaded). Imports under `if TYPE_CHECKING:` never run:
+they are counted but make no edge. Imports by name at run time (importlib.import_module) are not seen. Prints
 
 - the import cycles: strongly connected components of more than one module, each with the imports that close it;
 - every import inside a function or method, file:line, and whether a comment on its line or the line above justifies
@@ -47,12 +49,26 @@ class Graph:
     modules: dict[str, Path]  # dotted name -> file
     imports: list[Import] = field(default_factory=list)
 
+    def reached(self, imp: Import) -> set[str]:
+        """The modules an import runs: its targets and the packages above them that are not above the importer
+        (importing pkg.sub.mod runs pkg/sub/__init__.py first; the importer's own packages are already loaded)."""
+        if imp.type_only:
+            return set()
+        own = set(_packages(imp.module))
+        out = {p for t in imp.targets for p in _packages(t) if p in self.modules and p not in own}
+        return (out | set(imp.targets)) - {imp.module}
+
     def edges(self) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {m: set() for m in self.modules}
         for imp in self.imports:
-            if not imp.type_only:
-                out[imp.module].update(t for t in imp.targets if t != imp.module)
+            out[imp.module].update(self.reached(imp))
         return out
+
+
+def _packages(module: str) -> list[str]:
+    """The packages above a dotted module name: pkg.sub.mod -> [pkg, pkg.sub]."""
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def module_names(root: Path) -> dict[str, Path]:
@@ -198,7 +214,7 @@ def report(graph: Graph) -> tuple[list[list[str]], list[Import], list[str]]:
         members = set(component)
         out.append("  " + " <-> ".join(component))
         for imp in graph.imports:
-            if imp.module in members and not imp.type_only and members.intersection(imp.targets) - {imp.module}:
+            if imp.module in members and members & graph.reached(imp):
                 where = "in a function" if imp.in_function else "module level"
                 out.append(f"    {imp.path}:{imp.line} ({where}): {imp.text}")
     unjustified = [i for i in in_functions if not i.justified]

@@ -118,3 +118,18 @@ def test_type_checking_imports_make_no_edge(ig, tmp_path):
     graph = ig.build_graph(root)
     assert [i.type_only for i in graph.imports] == [False, True, False]
     assert ig.cycles(graph.edges()) == []
+
+
+def test_importing_a_submodule_runs_its_package(ig, tmp_path):
+    """pkg/models/__init__.py imports models.registry, which imports pkg.memory, which imports a module of
+    pkg.models: a cycle through the package's __init__.py, though no module imports another back."""
+    root = package(tmp_path, {
+        "models/__init__.py": "from pkg.models.registry import build\n",
+        "models/registry.py": "from pkg.memory import check\n",
+        "models/shapes.py": "",
+        "memory.py": "from pkg.models.shapes import layer_shapes\n",
+    })
+    edges = ig.build_graph(root).edges()
+    assert edges["pkg.memory"] == {"pkg.models", "pkg.models.shapes"}
+    assert edges["pkg.models.registry"] == {"pkg.memory"}  # pkg.models is its own package: no edge to it
+    assert ig.cycles(edges) == [["pkg.memory", "pkg.models", "pkg.models.registry"]]
