@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cemtool.architectures import get_arch
 from cemtool.errors import CemtoolError, ConfigError, UsageError, did_you_mean
 from cemtool.fileio import DepthError, loads_json, loads_toml, read_bytes
 
@@ -35,7 +36,8 @@ class OverrideError(ConfigError, UsageError):
 SCHEMA_VERSION = 1
 
 # upper bounds of the size fields: far above anything cemtool trains, low enough that no single field can ask for
-# an absurd allocation (whether a whole model fits is checked from the config by ``cemtool.memory.check_memory``)
+# an absurd allocation (whether a whole model fits is checked from the config by
+# ``cemtool.models.sizing.check_memory``)
 MAX_WIDTH = 1 << 16
 MAX_HEADS = 1 << 12
 MAX_SEQ_LEN = 1 << 20
@@ -437,8 +439,6 @@ def resolve(arch: str | None = None, file: str | Path | list | tuple | None = No
             overrides: list[str] | tuple = (), seed: int | None = None, data_source: str | None = None) -> RunConfig:
     """Build the run config from defaults, the architecture preset, config file(s) and --set overrides.
     ``file`` may be a list: the files are composed in order (:func:`load_files`)."""
-    from cemtool.models.registry import get_arch  # models register presets; avoid an import cycle
-
     file_data = load_files(file)
     set_data: dict = {}
     for item in overrides:

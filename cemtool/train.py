@@ -26,9 +26,10 @@ from cemtool.config import RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
 from cemtool.distributed import Dist, init_distributed, peer_failure, training_failed  # noqa: F401 (Dist: re-exported)
 from cemtool.errors import CemtoolError, UsageError
-from cemtool.memory import available_memory, check_memory, count_params, memory_estimate, rough_params  # noqa: F401
+from cemtool.memory import available_memory  # noqa: F401
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
+from cemtool.models.sizing import check_memory, count_params, memory_estimate, rough_params  # noqa: F401
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
 from cemtool.runs import Run, check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 from cemtool.tblog import check_log_to, metrics_writer
