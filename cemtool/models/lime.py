@@ -55,10 +55,9 @@ from torch import nn
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError, ConfigError
 from cemtool.models.allocation import layer_shapes
-from cemtool.models.baseline import make_attention, make_mlp
 from cemtool.models.capture import HookPoint
 from cemtool.models.layers import Attention, Context, make_norm
-from cemtool.models.lm import LM
+from cemtool.models.lm import LM, make_attention, make_mlp
 from cemtool.models.registry import register
 
 

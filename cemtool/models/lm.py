@@ -1,8 +1,10 @@
 """The decoder-only language-model backbone every family shares.
 
 ``LM`` owns the token (and learned position) embeddings, the list of blocks, the final norm and the head.
-A family subclasses it and overrides :meth:`LM.make_block` (what one layer is) and, when layers exchange more
-than the residual stream (momentum streams, LIMe's memory of earlier layers), :meth:`LM.body`.
+A family subclasses it and overrides :meth:`LM.make_block` (what one layer is: by default the baseline's pre-norm
+:class:`Block`, METHODS §1) and, when layers exchange more than the residual stream (momentum streams, LIMe's
+memory of earlier layers), :meth:`LM.body`. :func:`make_attention` and :func:`make_mlp` are the standard
+sublayers other families reuse.
 Module names are therefore the same in every family: ``blocks.3.attn.wq``, ``blocks.3.resid_post``, ...
 """
 
@@ -16,8 +18,37 @@ from torch import nn
 
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError
+from cemtool.models.allocation import layer_shapes
 from cemtool.models.capture import HookPoint
-from cemtool.models.layers import Context, make_norm
+from cemtool.models.layers import MLP, Attention, Context, attention_impl, make_norm, mlp_hidden
+
+
+def make_attention(cfg: ModelConfig, i: int) -> Attention:
+    """The standard attention of layer i, with that layer's allocated heads and head size."""
+    n_head, head_dim = layer_shapes(cfg)[i]
+    return Attention(cfg.d_model, n_head, head_dim, pos=cfg.pos, max_len=cfg.max_seq_len,
+                     rope_base=cfg.rope_base, impl=cfg.attn_impl)
+
+
+def make_mlp(cfg: ModelConfig) -> MLP:
+    return MLP(cfg.d_model, mlp_hidden(cfg.d_model, cfg.mlp, cfg.mlp_hidden), cfg.mlp)
+
+
+class Block(nn.Module):
+    """The baseline's pre-norm layer: x <- x + Attn(LN x); x <- x + MLP(LN x)."""
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.ln1 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.attn = make_attention(cfg, i)
+        self.ln2 = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.mlp = make_mlp(cfg)
+        self.resid_pre, self.resid_mid, self.resid_post = HookPoint(), HookPoint(), HookPoint()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resid_pre(x)  # (B, T, d)
+        x = self.resid_mid(x + self.attn(self.ln1(x)))  # (B, T, d)
+        return self.resid_post(x + self.mlp(self.ln2(x)))  # (B, T, d)
 
 
 class LM(nn.Module):
@@ -44,8 +75,6 @@ class LM(nn.Module):
     # -- what a family overrides --------------------------------------------------------------------------------
 
     def make_block(self, i: int) -> nn.Module:
-        from cemtool.models.baseline import Block
-
         return Block(self.cfg, i)
 
     def body(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -110,8 +139,6 @@ def flops_per_token(model: LM, seq_len: int) -> dict[str, float]:
     attention scores and the family's extra products (Newton-Schulz, routers); attention counted as dense T x T
     (what the kernels compute), element-wise work not counted."""
     from torch.utils.flop_counter import FlopCounterMode
-
-    from cemtool.models.layers import attention_impl
 
     was_training = model.training
     device = next(model.parameters()).device
