@@ -18,80 +18,23 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import pydoc_data.topics as topics
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import cemtool.data.synthetic  # noqa: F401  (registers the "ngram" source)
 from cemtool.config import DataConfig
+from cemtool.data.grammar import GRAMMAR_VERSION, GRAMMARS
+from cemtool.data.source import Corpus, register_source, source_builder, sources
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe, word_tokenizer
+from cemtool.data.tokens import hf_tokenizer, is_token_source, is_tokenizer_file, token_corpus
 from cemtool.errors import CemtoolError, did_you_mean
 from cemtool.fileio import check_regular, open_regular
 
 CHUNK_BYTES = 1 << 20
-
-
-@dataclass
-class Corpus:
-    name: str
-    tokenizer: Tokenizer
-    train: np.ndarray  # (N_train,) integer token ids (possibly a read-only memmap)
-    val: np.ndarray  # (N_val,)
-    train_starts: np.ndarray | None = None  # allowed window starts (sentence starts), None = anywhere
-    val_starts: np.ndarray | None = None
-    val_nll: np.ndarray | None = None  # (N_val,) exact -log p(token | its sentence prefix), nats, if known
-    entropy_rate: float | None = None  # exact nats/token of the source, if known
-    info: dict = field(default_factory=dict)  # provenance: source, sizes, tokenizer, generator version
-
-    def check_seq_len(self, seq_len: int) -> None:
-        for split, arr in (("training", self.train), ("validation", self.val)):
-            if len(arr) < seq_len + 1:
-                raise CemtoolError(f"data.seq_len={seq_len} is larger than the {split} data ({len(arr)} tokens)",
-                                   hint="use a shorter data.seq_len or more data")
-
-    def eval_windows(self, seq_len: int, n_tokens: int) -> np.ndarray:
-        """Fixed, non-overlapping validation window starts covering about ``n_tokens`` target tokens."""
-        n = max(1, n_tokens // seq_len)
-        if self.val_starts is None:
-            last = len(self.val) - seq_len - 1
-            stride = seq_len
-            starts = np.arange(0, last + 1, stride)
-        else:
-            ok = self.val_starts[self.val_starts <= len(self.val) - seq_len - 1]
-            starts, end = [], -1
-            for s in ok:  # greedy non-overlapping
-                if s >= end:
-                    starts.append(s)
-                    end = s + seq_len + 1
-                    if len(starts) >= n:
-                        break
-            starts = np.asarray(starts, dtype=np.int64)
-        if len(starts) == 0:
-            raise CemtoolError(f"the validation split is too small for windows of {seq_len} tokens")
-        return starts[:n].astype(np.int64)
-
-    def bytes_per_token(self, starts: np.ndarray, seq_len: int) -> float | None:
-        """Mean UTF-8 bytes per target token of these validation windows (what turns their loss into bits per
-        byte). A token's bytes are those it decodes to; for word-level vocabularies (grammar, ngram) a word counts
-        its bytes plus one separator, the convention of their decoded text (words joined by single spaces).
-        None for a tokenizer of bare ids (token files without a tokenizer), whose bytes are unknown."""
-        idx = starts[:, None] + 1 + np.arange(seq_len)[None, :]  # (n, T) target positions
-        targets = np.asarray(self.val[idx])  # (n, T)
-        table = self.tokenizer.token_bytes()
-        if table is not None:
-            return float(table[targets].mean())
-        if self.tokenizer.kind == "ids":
-            return None
-        return sum(len(self.tokenizer.decode(row.tolist()).encode("utf-8")) for row in targets) / targets.size
-
-    def floor(self, starts: np.ndarray, seq_len: int) -> float | None:
-        """Exact mean -log p of the target tokens of the given validation windows (the loss no model can beat)."""
-        if self.val_nll is None:
-            return None
-        idx = starts[:, None] + 1 + np.arange(seq_len)[None, :]  # (n, T) target positions
-        return float(self.val_nll[idx].mean())
 
 
 def bits_per_byte(nats_per_token: float | None, bytes_per_token: float | None) -> float | None:
@@ -135,26 +78,14 @@ def batch_starts(corpus: Corpus, seq_len: int, batch_size: int, seed: int, step:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# sources
-
-SourceBuilder = Callable[[DataConfig, "Tokenizer | None"], Corpus]
-_SOURCES: dict[str, SourceBuilder] = {}
-
-
-def register_source(name: str, builder: SourceBuilder) -> None:
-    _SOURCES[name] = builder
-
-
-def sources() -> list[str]:
-    return sorted(_SOURCES)
+# sources (registered in cemtool.data.source)
 
 
 def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
     """Build the corpus named by ``cfg.source`` (a registered name or a path). ``tokenizer``: reuse a run's."""
-    from cemtool.data.tokens import is_token_source, token_corpus
-
-    if cfg.source in _SOURCES:
-        corpus = _SOURCES[cfg.source](cfg, tokenizer)
+    builder = source_builder(cfg.source)
+    if builder is not None:
+        corpus = builder(cfg, tokenizer)
     elif is_token_source(cfg.source):
         corpus = token_corpus(cfg, tokenizer)
     else:
@@ -164,8 +95,6 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None) -> Corpus:
 
 
 def _grammar(cfg: DataConfig, tokenizer: Tokenizer | None, name: str = "grammar") -> Corpus:
-    from cemtool.data.grammar import GRAMMAR_VERSION, GRAMMARS
-
     if cfg.tokenizer not in ("auto", "word"):
         raise CemtoolError(f"data.tokenizer={cfg.tokenizer!r} does not apply to the {name} corpus",
                            hint="it has its own word vocabulary; use data.tokenizer=auto or word")
@@ -185,8 +114,6 @@ def _grammar(cfg: DataConfig, tokenizer: Tokenizer | None, name: str = "grammar"
 
 
 def _pydoc_text() -> str:
-    import pydoc_data.topics as topics
-
     return "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
 
 
@@ -198,8 +125,6 @@ def _split(ids: np.ndarray, frac: float) -> tuple[np.ndarray, np.ndarray]:
 def _text_tokenizer(cfg: DataConfig, chunks: Callable[[], Iterator[str]], tokenizer: Tokenizer | None) -> Tokenizer:
     if tokenizer is not None:
         return tokenizer
-    from cemtool.data.tokens import hf_tokenizer, is_tokenizer_file
-
     if is_tokenizer_file(cfg.tokenizer):
         return hf_tokenizer(cfg.tokenizer)
     kind = "bpe" if cfg.tokenizer == "auto" else cfg.tokenizer
@@ -381,5 +306,3 @@ def _memmap(path: Path, dtype) -> np.ndarray:
 
 __all__ = ["Corpus", "batch_starts", "bits_per_byte", "load_corpus", "load_tokenizer", "perplexity",
            "register_source", "run_bits_per_byte", "sources", "windows"]
-
-import cemtool.data.synthetic  # noqa: E402,F401  (registers the "ngram" source)

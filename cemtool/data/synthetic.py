@@ -36,7 +36,7 @@ import math
 import numpy as np
 
 from cemtool.config import DataConfig
-from cemtool.data.corpus import Corpus, register_source
+from cemtool.data.source import Corpus, register_source
 from cemtool.data.tokenizer import Tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
 

@@ -34,6 +34,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from cemtool.config import MAX_VOCAB, DataConfig
+from cemtool.data.source import Corpus
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer
 from cemtool.errors import CemtoolError
 from cemtool.fileio import open_regular, read_json
@@ -251,8 +252,6 @@ def bin_dtype(cfg: DataConfig, vocab: int | None) -> tuple[str, str]:
 def token_corpus(cfg: DataConfig, tokenizer: Tokenizer | None = None, vocab_size: int | None = None):
     """The corpus of a token source. ``tokenizer``: reuse a run's; ``vocab_size``: check the ids against this
     (a model's vocabulary) instead of the tokenizer's."""
-    from cemtool.data.corpus import Corpus
-
     tok = tokenizer or _named_tokenizer(cfg)
     limit = vocab_size or (tok.vocab_size if tok is not None else None)
     what = f"size {limit}" if vocab_size else f"the {tok.kind} tokenizer" if tok is not None else ""
