@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+from numpy.lib import format as npformat
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
@@ -96,8 +97,6 @@ def npy_header(path: Path, f, size: int) -> tuple[np.dtype, int, int]:
     header parser (a literal, never code); everything that is not a flat integer array wholly present in the file
     is a one-line error: another format (zip/.npz, pickle, text), a header that does not parse, an object or
     non-integer dtype, another shape, fewer bytes than the header promises."""
-    from numpy.lib import format as npformat
-
     def bad(why: str, hint: str = "save it with numpy.save(path, ids) from an integer array") -> CemtoolError:
         return CemtoolError(f"{path} is not a NumPy array of token ids: {why}", hint=hint)
 

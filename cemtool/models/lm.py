@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError
@@ -138,8 +139,6 @@ def flops_per_token(model: LM, seq_len: int) -> dict[str, float]:
     ``torch.utils.flop_counter`` on a batch of one sequence of ``seq_len`` tokens: every matmul, including the
     attention scores and the family's extra products (Newton-Schulz, routers); attention counted as dense T x T
     (what the kernels compute), element-wise work not counted."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     was_training = model.training
     device = next(model.parameters()).device
     idx = torch.zeros(1, seq_len, dtype=torch.long, device=device)
