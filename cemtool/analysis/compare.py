@@ -87,9 +87,9 @@ import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from cemtool.config import RunConfig, to_dict
+from cemtool.analysis.compute import run_compute
+from cemtool.config import to_dict
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.models.registry import get_arch
 from cemtool.report import (
@@ -180,21 +180,6 @@ def summary(values: list[float]) -> dict | None:
 
 # --------------------------------------------------------------------------------------------------------------
 # reading runs and reports
-
-
-def run_compute(cfg: RunConfig) -> dict:
-    """Parameters and training FLOPs per token (forward + backward) of a run's model, from its config alone (a
-    freshly built model; no checkpoint; the global RNG is left untouched)."""
-    from cemtool.models.lm import flops_per_token
-    from cemtool.models.registry import build_model
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-    n = model.num_params()
-    fl = flops_per_token(model, cfg.data.seq_len)
-    return {"params": n["total"], "non_embedding": n["non_embedding"], "flops_per_token": fl["train"],
-            "flops_forward_per_token": fl["forward"]}
 
 
 def sharpness_fields(report: dict) -> dict:

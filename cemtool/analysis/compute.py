@@ -125,3 +125,15 @@ def match_width(target: dict, by: str = "params", arch: str = "baseline", overri
                                                    if "mlp_hidden" in best else [])
     best["by"] = by
     return best
+def run_compute(cfg: RunConfig) -> dict:
+    """Parameters and training FLOPs per token (forward + backward) of a run's model, from its config alone (a
+    freshly built model; no checkpoint; the global RNG is left untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+    n = model.num_params()
+    fl = flops_per_token(model, cfg.data.seq_len)
+    return {"params": n["total"], "non_embedding": n["non_embedding"], "flops_per_token": fl["train"],
+            "flops_forward_per_token": fl["forward"]}
+
+

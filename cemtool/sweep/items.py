@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cemtool.analysis.compare import run_compute
+from cemtool.analysis.compute import run_compute
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import load_corpus
