@@ -176,11 +176,12 @@ def summarise_attention(sums: torch.Tensor, n_seq: int) -> dict:
             "context_length": list(range(1, T + 1))}
 
 
-def kv_groups(att: dict, attn: torch.nn.Module | None) -> None:
-    """Grouped- or multi-query attention (an attention module with ``n_kv_head`` < its query heads, e.g. a Llama
-    loaded by cemtool.subject.hf): add ``per_kv_head``, each key-value head's statistics averaged over the query heads
-    that read it (query head h reads key-value head h // (H / n_kv_head)), and ``kv_head`` to each query head's row."""
-    H, kv = len(att["per_head"]), getattr(attn, "n_kv_head", None)
+def kv_groups(att: dict, kv: int | None) -> None:
+    """Grouped- or multi-query attention (``kv`` key-value heads, fewer than the query heads: e.g. a Llama loaded
+    by cemtool.subject.hf, see Capabilities.attention_layers): add ``per_kv_head``, each key-value head's statistics
+    averaged over the query heads that read it (query head h reads key-value head h // (H / kv)), and ``kv_head``
+    to each query head's row."""
+    H = len(att["per_head"])
     if not kv or kv >= H or H % kv:
         return
     group = H // kv
@@ -307,7 +308,8 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     points = layer_points(model)
     if not points:
         raise CemtoolError("the model has no blocks.<i>.* hook points to measure")
-    V = model.cfg.vocab_size if hasattr(model, "cfg") else int(inputs.max()) + 1
+    V = model.cfg.vocab_size
+    kv_heads = {a.layer: a.kv_heads for a in model.attention_layers()[0]}
     patterns = {p.pattern for p in points.values() if p.pattern}
     routing = {p.routing for p in points.values() if p.routing}
     names1 = [n for p in points.values() for n in (p.values, p.hidden, p.pattern, p.routing) if n]
@@ -423,8 +425,8 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
         entry["probe"] = probe
         entry["attention"] = summarise_attention(a.attn, n_seq) if a.attn is not None else \
             f"not applicable: no hook point blocks.{i}.attn.pattern"
-        if a.attn is not None and hasattr(model, "blocks"):
-            kv_groups(entry["attention"], getattr(model.blocks[i], "attn", None))
+        if a.attn is not None:
+            kv_groups(entry["attention"], kv_heads.get(i))
         if p.routing in routed:
             total, tokens = routed[p.routing]
             entry["routing_mean"] = (total / max(tokens, 1)).tolist()  # (H, S) the mix averaged over tokens

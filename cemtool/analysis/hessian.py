@@ -32,6 +32,7 @@ from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.memory import available_memory  # the one memory probe and curvature check (cgroup limit included)
 from cemtool.memory import check_curvature_memory as check_memory
+from cemtool.models.capabilities import Capabilities
 from cemtool.models.layers import attention_impl
 from cemtool.models.lm import lm_loss
 
@@ -72,9 +73,10 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
     model's own names where it has others (``model.parameter_aliases()``: a Hugging Face model's
     ``model.layers.3.mlp.*``, cemtool.subject.hf).
     """
-    named = [(n, p) for n, p in model.named_parameters()  # shared parameters appear once
-             if not getattr(p, "fixed", None)]  # nor coordinates of the model (an export's added zeros)
-    aliases = model.parameter_aliases() if hasattr(model, "parameter_aliases") else {}
+    declared = model if isinstance(model, Capabilities) else None  # any module; a cemtool or HF model says more
+    fixed = declared.fixed_parameters() if declared else {}  # coordinates of the model (an export's added zeros)
+    named = [(n, p) for n, p in model.named_parameters() if n not in fixed]  # shared parameters appear once
+    aliases = declared.parameter_aliases() if declared else {}
     chosen: set[str] = set()
     for part in [s.strip() for s in spec.split(",") if s.strip()] or [""]:
         if part == "all":

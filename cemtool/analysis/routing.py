@@ -60,9 +60,9 @@ def lime_routing(model: torch.nn.Module, mean_mix: dict[int, list] | None = None
     """Routing summaries of a LIMe model: from its router parameters (static, softmax) or, for the dynamic router,
     from ``mean_mix`` (layer -> the per-token mix averaged over evaluation tokens, (H, l+1)). A string saying why
     when the model has no routers."""
-    if not hasattr(model, "routing_weights"):
+    variant = model.router()
+    if variant is None:
         return "not applicable: this architecture has no layer router (LIMe only)"
-    variant = model.cfg.lime.variant
     heads = [h for h, _ in layer_shapes(model.cfg)]
     if variant == "dynamic":
         if not mean_mix:
@@ -97,9 +97,9 @@ def routing_rows(routing: dict | str, run: str = "", arch: str = "") -> list[dic
 
 def stream_scalars(model: torch.nn.Module) -> list[dict] | str:
     """The learned scalars of a momentum-family model per layer and substep, or why there are none."""
-    if not hasattr(model, "stream_scalars"):
-        return "not applicable: this architecture has no optimizer-stream scalars (momentum family only)"
     rows = model.stream_scalars()
+    if rows is None:
+        return "not applicable: this architecture has no optimizer-stream scalars (momentum family only)"
     if not rows:
         return "not applicable: this momentum variant learns no stream scalars"
     return rows

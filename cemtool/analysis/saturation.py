@@ -55,6 +55,7 @@ from cemtool.config import replace, to_dict
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.models.allocation import layer_shapes
+from cemtool.models.capabilities import AttentionLayer, Capabilities
 from cemtool.models.capture import capture, hook_points
 from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
@@ -108,56 +109,38 @@ def effective_form(Lq: torch.Tensor, Lk: torch.Tensor, P: torch.Tensor) -> torch
 # the factors of every head
 
 
-@dataclass
-class LayerHeads:
-    """A layer's attention as truncation sees it."""
-
-    layer: int
-    heads: int
-    head_dim: int
-    rope: bool
-    q_point: str  # the hook point of the pre-RoPE queries
+LayerHeads = AttentionLayer  # a layer's attention as truncation sees it (the model's own declaration)
 
 
-def attention_layers(model: torch.nn.Module) -> tuple[list[LayerHeads], dict[int, str]]:
+def attention_layers(model: Capabilities) -> tuple[list[AttentionLayer], dict[int, str]]:
     """The layers whose queries can be truncated, and for the others why not."""
-    points = hook_points(model)
-    out, skipped = [], {}
-    for i, block in enumerate(getattr(model, "blocks", [])):
-        attn = getattr(block, "attn", None)
-        name = f"blocks.{i}.attn.q"
-        if attn is None or name not in points or not hasattr(attn, "head_dim"):
-            skipped[i] = "not applicable: no attention with a blocks.<i>.attn.q hook point"
-            continue
-        out.append(LayerHeads(i, attn.n_head, attn.head_dim, getattr(attn, "rotary", None) is not None, name))
-    return out, skipped
+    return model.attention_layers()
 
 
 def _rows(w: torch.Tensor, h: int, dh: int) -> torch.Tensor:
     return w[h * dh:(h + 1) * dh].detach().double().cpu()  # (d_h, d)
 
 
-def weight_factors(model: torch.nn.Module, lh: LayerHeads) -> list[tuple[torch.Tensor, torch.Tensor]] | str:
+def weight_factors(model: Capabilities, lh: AttentionLayer) -> list[tuple[torch.Tensor, torch.Tensor]] | str:
     """(L_q, L_k) per head from the parameters, or a string saying why the weights do not define the form."""
-    block = model.blocks[lh.layer]
-    attn = block.attn
-    if not hasattr(attn, "wq") or not hasattr(attn, "wk"):
+    qk = model.qk_weights(lh.layer)
+    if qk is None:
         return "the attention has no wq/wk projections"
+    Wq, Wk = qk  # (H d_h, d) each
     dh, H = lh.head_dim, lh.heads
-    router = getattr(block, "lime", None)
-    lime_variant = model.cfg.lime.variant if router is not None else None
+    lime_variant = model.router()
     if lime_variant is None or lh.layer == 0:
-        return [(_rows(attn.wq.weight, h, dh), _rows(attn.wk.weight, h, dh)) for h in range(H)]
+        return [(_rows(Wq, h, dh), _rows(Wk, h, dh)) for h in range(H)]
     if lime_variant == "static":
         W = model.routing_weights()[lh.layer].double().cpu()  # (R, sum of heads of layers 0..l)
-        sources = [(m, h) for m in range(lh.layer + 1) for h in range(model.blocks[m].attn.n_head)]
-        Ks = [_rows(model.blocks[m].attn.wk.weight, h, dh) for m, h in sources]  # each (d_h, d)
-        return [(_rows(attn.wq.weight, r, dh), torch.cat([W[r, j] * K for j, K in enumerate(Ks)], dim=1))
-                for r in range(H)]
+        heads = {a.layer: a.heads for a in model.attention_layers()[0]}
+        sources = [(m, h) for m in range(lh.layer + 1) for h in range(heads[m])]
+        Ks = [_rows(model.qk_weights(m)[1], h, dh) for m, h in sources]  # each (d_h, d)
+        return [(_rows(Wq, r, dh), torch.cat([W[r, j] * K for j, K in enumerate(Ks)], dim=1)) for r in range(H)]
     if lime_variant == "softmax":
         p = model.routing_weights()[lh.layer].double().cpu()  # (H, l+1)
-        return [(_rows(attn.wq.weight, h, dh), torch.cat([p[h, m] * _rows(attn.wk.weight, h, dh)
-                                                           for m in range(p.shape[1])], dim=1)) for h in range(H)]
+        return [(_rows(Wq, h, dh), torch.cat([p[h, m] * _rows(Wk, h, dh) for m in range(p.shape[1])], dim=1))
+                for h in range(H)]
     return f"the LIMe {lime_variant} router mixes per token"
 
 
@@ -345,8 +328,8 @@ def rank_truncation(model: torch.nn.Module, inputs: torch.Tensor, targets: torch
                               "tolerated_rank": tolerated,
                               "sensitivity": float(np.mean(below)) if below else 0.0})
     notes = {str(i): why for i, why in sorted(skipped.items())}
-    if getattr(model, "family", "") == "cem" and model.cfg.cem.dplr:
-        notes["dplr"] = "CEM dplr: only the low-rank part W_Qᵀ W_K is truncated; the diagonal term stays"
+    if model.truncation_note() is not None:  # e.g. CEM dplr: the diagonal term is not part of the truncated form
+        notes["dplr"] = model.truncation_note()
     return {"measure": "saturation", "base_loss": base, "tokens": n_tokens, "tolerance": tolerance,
             "basis": basis, "layers": result_layers, "not_applicable": notes,
             "logits": {str(k): v for k, v in logit_spread(model, inputs, batch_size, device).items()}}

@@ -31,6 +31,7 @@ from cemtool.analysis.landscape import (
     worst_case_sharpness,
 )
 from cemtool.errors import CemtoolError
+from cemtool.models.capabilities import Capabilities
 from cemtool.options import at_least, check_types
 from cemtool.report import markdown_table
 
@@ -238,10 +239,11 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         if obj.compute_dtype != obj.dtype:
             rep.notes.append(f"the forward computes partly in {rep.computed_in} (--dtype {o.dtype}): error bounds "
                              f"use {rep.computed_in}'s rounding (eps {torch.finfo(obj.compute_dtype).eps:.3g})")
-        fixed = [(n, p) for n, p in model.named_parameters() if getattr(p, "fixed", None)]
+        fixed = model.fixed_parameters() if isinstance(model, Capabilities) else {}
         if fixed:
-            rep.notes.append(f"{sum(p.numel() for _, p in fixed):,} parameters in {len(fixed)} tensors left out "
-                             f"({fixed[0][1].fixed}): {fixed[0][0]}{', ...' if len(fixed) > 1 else ''}")
+            sizes, (first, why) = dict(model.named_parameters()), next(iter(fixed.items()))
+            rep.notes.append(f"{sum(sizes[n].numel() for n in fixed):,} parameters in {len(fixed)} tensors left "
+                             f"out ({why}): {first}{', ...' if len(fixed) > 1 else ''}")
         if o.top_k + o.bottom_k > 0 and o.lanczos_steps > 0:
             name = "eigenvalues (Lanczos)"
             rep.eigen = lanczos(obj, o.top_k, o.bottom_k, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,

@@ -92,8 +92,14 @@ def analyze(
         message, flag = as_cli(e.message, Options, "saturation")
         raise typer.BadParameter(message, param_hint=flag or "--ranks") from None
     with console.progress(quiet) as bar:
-        task = bar.add_task("truncation", total=None, status="")
-        res = run_job(run, "saturation", opts, lambda s, d, t: bar.update(task, completed=d, total=t, status=s),
+        tasks: list = []  # the bar's task, added once the model is open (an error before it prints alone)
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if not tasks:
+                tasks.append(bar.add_task("truncation", total=None, status=""))
+            bar.update(tasks[0], completed=done, total=total, status=stage)
+
+        res = run_job(run, "saturation", opts, progress,
                       checkpoint=checkpoint, device=device, data=data, report_name=name, plots=not no_plots,
                       provenance_extra={"name": name})
     if not res.written:  # every rank holds the same results; rank 0 alone writes and prints

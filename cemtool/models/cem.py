@@ -106,6 +106,7 @@ class CEMAttention(nn.Module):
                  impl: str, dplr: bool):
         super().__init__()
         self.n_head, self.head_dim, self.impl = n_head, head_dim, impl
+        self.n_kv_head = n_head
         self.beta = 1.0 / math.sqrt(head_dim)
         self.wq = nn.Linear(d_model, n_head * head_dim, bias=False)  # W_Q, also the output projection W_Q^T
         self.wk = nn.Linear(d_model, n_head * head_dim, bias=False)  # W_K, also the value projection
@@ -331,6 +332,11 @@ class CEMLM(LM):
 
     def make_block(self, i: int) -> nn.Module:
         return CEMBlock(self.cfg, i)
+
+    def truncation_note(self) -> str | None:
+        if self.cfg.cem.dplr:
+            return "CEM dplr: only the low-rank part W_Qᵀ W_K is truncated; the diagonal term stays"
+        return None
 
 
 def _preset(**cem) -> dict:

@@ -146,6 +146,7 @@ class Attention(nn.Module):
                  impl: str):
         super().__init__()
         self.n_head, self.head_dim, self.impl = n_head, head_dim, impl
+        self.n_kv_head = n_head  # every query head has its own key/value head
         inner = n_head * head_dim
         self.wq = nn.Linear(d_model, inner, bias=False)
         self.wk = nn.Linear(d_model, inner, bias=False)

@@ -245,6 +245,9 @@ class LimeLM(LM):
             x = block(x, memory)  # (B, T, d)
         return x
 
+    def router(self) -> str:
+        return self.cfg.lime.variant
+
     def routing_weights(self, raw: bool = False) -> dict[int, torch.Tensor]:
         """Mixing weights per layer, detached copies: static W^(l) (the router parameter itself; the identity at
         layer 0), softmax the mix softmax(w^(l)) (H, l+1) (ones at layer 0). ``raw``: only the router parameters

@@ -20,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError
 from cemtool.models.allocation import layer_shapes
+from cemtool.models.capabilities import Capabilities
 from cemtool.models.capture import HookPoint
 from cemtool.models.layers import MLP, Attention, Context, attention_impl, make_norm, mlp_hidden
 
@@ -52,8 +53,9 @@ class Block(nn.Module):
         return self.resid_post(x + self.mlp(self.ln2(x)))  # (B, T, d)
 
 
-class LM(nn.Module):
-    """Token embedding -> blocks -> final norm -> LM head. ``forward(idx) -> logits``."""
+class LM(Capabilities, nn.Module):
+    """Token embedding -> blocks -> final norm -> LM head. ``forward(idx) -> logits``. What analyses may ask of it:
+    :class:`cemtool.models.capabilities.Capabilities`."""
 
     family = "baseline"
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError
+from cemtool.models.capabilities import Capabilities
 from cemtool.models.capture import HookPoint
 
 
@@ -273,8 +274,9 @@ class _Input:
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": y})
 
 
-class ForeignLM(nn.Module):
-    """A transformers causal LM under cemtool's names and hook points. ``forward(idx) -> logits`` (B, T, V)."""
+class ForeignLM(Capabilities, nn.Module):
+    """A transformers causal LM under cemtool's names and hook points. ``forward(idx) -> logits`` (B, T, V). What
+    analyses may ask of it: :class:`cemtool.models.capabilities.Capabilities`."""
 
     family = "foreign"
 
@@ -289,6 +291,7 @@ class ForeignLM(nn.Module):
         self.final = HookPoint()
         self.head = parts.head
         self.hf = hf  # registered last: its parameters keep the names above
+        self.fixed: dict[str, str] = {}  # transformers name -> why it is not a free parameter (cemtool export)
         self.adapter = fam.name
         self.shape = shape
         self.max_seq_len = int(getattr(hf.config, "max_position_embeddings", 0) or getattr(hf.config, "n_positions", 0)
@@ -321,6 +324,10 @@ class ForeignLM(nn.Module):
         for n, p in self.hf.named_parameters(remove_duplicate=False):
             out.setdefault(ours[id(p)], []).append(n)
         return out
+
+    def fixed_parameters(self) -> dict[str, str]:
+        """The parameters ``cemtool export`` added (GPT-2's zero projection biases), by cemtool name."""
+        return {n: self.fixed[a] for n, names in self.parameter_aliases().items() for a in names if a in self.fixed}
 
     def num_params(self) -> dict[str, int]:
         """Total parameters (shared tensors once) and non-embedding parameters (without the token and position

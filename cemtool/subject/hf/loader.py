@@ -402,7 +402,7 @@ ADDED = "added by cemtool export (zero; the run has no such parameters)"
 
 
 def mark_added(model, names: list, spec: str) -> None:
-    """Tag the tensors ``cemtool export`` added (GPT-2's zero projection biases) with ``fixed`` (the reason):
+    """Record the tensors ``cemtool export`` added (GPT-2's zero projection biases) in ``model.fixed`` (the reason):
     curvature analyses leave fixed parameters out (cemtool.analysis.hessian.select_parameters), so an exported
     run's Hessian, λ_max included, is the run's."""
     own = dict(model.hf.named_parameters())
@@ -410,7 +410,7 @@ def mark_added(model, names: list, spec: str) -> None:
         if not isinstance(name, str) or name not in own:
             raise CemtoolError(f"{spec}: {EXPORT_FILE} lists an added parameter {str(name)[:100]!r} the model "
                                f"does not have", hint="export the run again")
-        own[name].fixed = ADDED
+        model.fixed[name] = ADDED
 
 
 def read_export(path: Path) -> dict | None:
