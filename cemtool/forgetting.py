@@ -75,16 +75,19 @@ from pathlib import Path
 
 import torch
 
+from cemtool.checkpoints import find_checkpoint
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import Corpus, load_corpus
 from cemtool.distributed import all_gather, all_reduce_sum, check_same_device, current, init_distributed, shard
 from cemtool.errors import CemtoolError
-from cemtool.fileio import check_regular, read_bytes
+from cemtool.fileio import check_regular, read_bytes, read_json
+from cemtool.layout import is_run
 from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
-from cemtool.runs import Run, atomic_write_bytes, create_run, find_checkpoint, is_run, open_run, read_json
+from cemtool.runs import Run, create_run, open_run
 from cemtool.subject import open_subject
+from cemtool.writes import atomic_write_bytes
 
 Callback = Callable[[dict], None]
 

@@ -29,9 +29,10 @@ from cemtool.plots.collapse import plot_collapse
 from cemtool.plots.saturation import plot_logits, plot_truncation
 from cemtool.plots.sharpness import plot_sharpness
 from cemtool.report import provenance, replaced_data_note, write_report
-from cemtool.runs import atomic_write_text, lock_for_reading, safe_name
+from cemtool.runs import lock_for_reading
 from cemtool.subject import Subject, open_subject
 from cemtool.train import pick_device
+from cemtool.writes import atomic_write_text, safe_name
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 

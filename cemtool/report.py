@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from cemtool.errors import CemtoolError
-from cemtool.runs import atomic_write_json, atomic_write_text, now, read_json, safe_name, versions
+from cemtool.fileio import read_json
+from cemtool.provenance import now, versions
+from cemtool.writes import atomic_write_json, atomic_write_text, safe_name
 
 
 def provenance(run_path: str | Path | None = None, *, seed: int | None = None, checkpoint: str | None = None,

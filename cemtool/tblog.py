@@ -17,7 +17,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from cemtool.errors import CemtoolError
-from cemtool.runs import Run, atomic_write_bytes, os_error, to_json_value
+from cemtool.runs import Run
+from cemtool.writes import atomic_write_bytes, os_error, to_json_value
 
 TB_DIR = "tensorboard"
 EVENT_FILE = "events.out.tfevents.cemtool"  # TensorBoard reads every file whose name holds "tfevents"

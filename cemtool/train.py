@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cemtool.analysis import curvature
+from cemtool.checkpoints import check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 from cemtool.config import RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
 from cemtool.distributed import Dist, init_distributed, peer_failure, training_failed  # noqa: F401 (Dist: re-exported)
@@ -31,7 +32,7 @@ from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
 from cemtool.models.sizing import check_memory, count_params, memory_estimate, rough_params  # noqa: F401
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
-from cemtool.runs import Run, check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
+from cemtool.runs import Run
 from cemtool.tblog import check_log_to, metrics_writer
 
 Callback = Callable[[dict], None]
@@ -439,7 +440,7 @@ def check_data_unchanged(meta: dict, corpus: Corpus, allow: bool = False) -> Non
 
 
 def _now() -> str:
-    from cemtool.runs import now
+    from cemtool.provenance import now
 
     return now()
 

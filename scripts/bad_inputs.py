@@ -570,7 +570,7 @@ def forge_step(ws: Path, tensors=None, header=None, which: str = "step_*") -> No
     from safetensors import safe_open
     from safetensors.torch import save
 
-    from cemtool.runs import _content_sha256, _sha256
+    from cemtool.checkpoints import _content_sha256, _sha256
 
     set_status(ws / "run", "interrupted")
     ckdir = ws / "run" / "checkpoints"

@@ -32,7 +32,7 @@ from scipy import stats
 
 from cemtool.analysis.compare import collect, spearman, welch
 from cemtool.errors import CemtoolError
-from cemtool.runs import atomic_write_json, atomic_write_text
+from cemtool.writes import atomic_write_json, atomic_write_text
 
 DELTA = 0.01  # nats: the non-inferiority margin of "matches" claims
 PARTS = {"grammar": "grammar corpus, AdamW", "grammar-muon": "grammar corpus, Muon for the blocks' matrices",

@@ -277,8 +277,8 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
 
     import torch
 
-    from cemtool.runs import atomic_write_text
     from cemtool.sweep import make_plan, run_sweep
+    from cemtool.writes import atomic_write_text
 
     if device == "cpu":
         torch.set_num_threads(1)  # as a lane
@@ -471,7 +471,7 @@ def tiny_corpus(out: Path) -> tuple[str, str, str]:
 
     from cemtool.config import DataConfig
     from cemtool.data.corpus import load_corpus
-    from cemtool.runs import atomic_write_bytes
+    from cemtool.writes import atomic_write_bytes
 
     root = out / "data"
     tok_path = root / "tokenizer.json"

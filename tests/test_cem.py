@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import replace, resolve
 from cemtool.models import build_model, capture
 from cemtool.models.cem import CEMMLP, CEMAttention, CEMBlock, Preconditioner, antiderivative
 from cemtool.models.layers import attention_impl, mlp_hidden
 from cemtool.models.lm import lm_loss
-from cemtool.runs import Run, load_weights, read_checkpoint, save_checkpoint
+from cemtool.runs import Run
 
 PRESETS = ["cem", "cem-dplr", "cem-precond", "cem-rec2", "cem-full", "cem-untied", "cem-selfgate"]
 V, S = 40, 12

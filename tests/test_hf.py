@@ -606,7 +606,7 @@ def test_a_bad_safetensors_file_is_one_line_naming_the_file(hf_models, tmp_path,
 
 def test_a_cemtool_checkpoint_shares_the_header_check(tiny_run, tmp_path):
     """runs.read_checkpoint reads a checkpoint only after the same layout check (here: offsets that overlap)."""
-    from cemtool.runs import read_checkpoint
+    from cemtool.checkpoints import read_checkpoint
     from cemtool.tensorfile import read_header
 
     src = Path(tiny_run) / "checkpoints" / "final.safetensors"

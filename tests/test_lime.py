@@ -10,10 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import TrainConfig, replace, resolve
 from cemtool.errors import CemtoolError, ConfigError
 from cemtool.models import build_model, capture, flops_per_token, lm_loss
-from cemtool.runs import Run, load_weights, read_checkpoint, save_checkpoint
+from cemtool.runs import Run
 from cemtool.train import make_optimizer
 
 VARIANTS = ["lime", "lime-softmax", "lime-dynamic"]

@@ -11,11 +11,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import replace, resolve
 from cemtool.errors import ConfigError
 from cemtool.models import archs, attention_impl, build_model, capture, lm_loss
 from cemtool.models.momentum import NS_COEFFS, SCALARS, VARIANTS, inv_sqrt_newton, newton_schulz
-from cemtool.runs import Run, load_weights, read_checkpoint, save_checkpoint
+from cemtool.runs import Run
 
 V, T = 40, 12
 STREAM_VARIANTS = [v for v in VARIANTS if v != "vanilla"]

@@ -5,12 +5,13 @@ import re
 import pytest
 import torch
 
+from cemtool.checkpoints import find_checkpoint, read_checkpoint, save_checkpoint
 from cemtool.config import TrainConfig, replace, resolve
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import ConfigError
 from cemtool.models import build_model, lm_loss
 from cemtool.optim import Combined, make_optimizer
-from cemtool.runs import Run, create_run, find_checkpoint, open_run, read_checkpoint, save_checkpoint
+from cemtool.runs import Run, create_run, open_run
 from cemtool.train import finalize_model_config, train
 
 from conftest import TINY

@@ -15,20 +15,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cemtool.checkpoints import read_checkpoint, save_checkpoint, step_checkpoints
 from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError
-from cemtool.runs import (
-    Run,
-    atomic_write_bytes,
-    create_run,
-    list_runs,
-    open_run,
-    read_checkpoint,
-    safe_name,
-    save_checkpoint,
-    step_checkpoints,
-)
+from cemtool.runs import Run, create_run, list_runs, open_run
+from cemtool.writes import atomic_write_bytes, safe_name
 
 from conftest import one_line_error
 

@@ -6,17 +6,9 @@ import pickle
 import pytest
 import torch
 
+from cemtool.checkpoints import find_checkpoint, load_weights, read_checkpoint, save_checkpoint
 from cemtool.errors import CemtoolError
-from cemtool.runs import (
-    Run,
-    create_run,
-    find_checkpoint,
-    list_runs,
-    load_weights,
-    open_run,
-    read_checkpoint,
-    save_checkpoint,
-)
+from cemtool.runs import Run, create_run, list_runs, open_run
 from cemtool.subject import open_subject
 
 
@@ -175,7 +167,7 @@ def test_one_json_sanitiser_for_reports_and_console(capsys, tmp_path):
     import torch
 
     from cemtool.cli.console import print_json
-    from cemtool.runs import to_json_value
+    from cemtool.writes import to_json_value
 
     obj = {"x": (np.float64("-inf"), torch.tensor([0.5, float("nan")])), "p": tmp_path, "n": np.int64(3)}
     plain = {"x": [None, [0.5, None]], "p": str(tmp_path), "n": 3}

@@ -290,7 +290,7 @@ def test_tokens_requested_and_used_are_both_reported(model_problem):
 
 
 def test_reports_are_strict_json(tmp_path):
-    from cemtool.runs import atomic_write_json
+    from cemtool.writes import atomic_write_json
 
     def refuse(name):
         raise ValueError(f"non-standard JSON constant {name}")

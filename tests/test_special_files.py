@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 from cemtool import fileio
 from cemtool.cli.main import app
 from cemtool.errors import CemtoolError
-from cemtool.runs import list_runs, read_json, read_jsonl
+from cemtool.fileio import read_json, read_jsonl
+from cemtool.runs import list_runs
 
 from conftest import TEXT, one_line_error
 

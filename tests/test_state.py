@@ -127,7 +127,7 @@ def forge(path: Path, name_part: str, change) -> None:
     from safetensors import safe_open
     from safetensors.torch import save
 
-    from cemtool.runs import _content_sha256, _sha256
+    from cemtool.checkpoints import _content_sha256, _sha256
 
     with safe_open(str(path), framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
@@ -152,7 +152,7 @@ FORGERIES = {
 
 @pytest.mark.parametrize("forgery", sorted(FORGERIES))
 def test_forged_step_checkpoint_falls_back_to_the_older_one_bit_exact(tmp_path, tiny_run, forgery):
-    from cemtool.runs import read_checkpoint
+    from cemtool.checkpoints import read_checkpoint
 
     run = copy_run(tiny_run, tmp_path)
     meta = json.loads((run / "meta.json").read_text())

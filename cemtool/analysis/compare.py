@@ -91,6 +91,8 @@ import numpy as np
 from cemtool.analysis.compute import run_compute
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
+from cemtool.fileio import read_json
+from cemtool.layout import is_run
 from cemtool.models.registry import get_arch
 from cemtool.report import (
     SPREAD,
@@ -102,7 +104,8 @@ from cemtool.report import (
     run_settings,
     write_report,
 )
-from cemtool.runs import atomic_write_text, is_run, open_run, read_json, safe_name
+from cemtool.runs import open_run
+from cemtool.writes import atomic_write_text, safe_name
 
 METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val perplexity", "params": "params",
            "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",

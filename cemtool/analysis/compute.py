@@ -77,7 +77,8 @@ def target_size(ref: str, overrides: list[str] | tuple = (), vocab: int = 512, s
     """Parameters and FLOPs/token of a reference: an architecture name (at the given size) or a run directory."""
     from pathlib import Path
 
-    from cemtool.runs import is_run, open_run
+    from cemtool.layout import is_run
+    from cemtool.runs import open_run
 
     if is_run(Path(ref)):
         cfg = open_run(ref).config()

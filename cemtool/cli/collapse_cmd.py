@@ -119,7 +119,7 @@ def collapse_report_cmd(
     from cemtool.jobs import run_job, write_comparison
     from cemtool.plots.collapse import plot_collapse
     from cemtool.report import provenance
-    from cemtool.runs import safe_name
+    from cemtool.writes import safe_name
 
     safe_name(name, "--name")
     if words is not None and not words.strip(" ,"):

@@ -57,8 +57,8 @@ def result(msg: str) -> None:
 
 def print_json(obj: Any) -> None:
     """``obj`` as strict JSON on stdout: numpy/torch values as numbers and lists, NaN and ±inf as null, objects
-    JSON does not know as their string (:func:`cemtool.runs.to_json_value`)."""
-    from cemtool.runs import to_json_value  # imported here: the console is loaded by every command
+    JSON does not know as their string (:func:`cemtool.writes.to_json_value`)."""
+    from cemtool.writes import to_json_value  # imported here: the console is loaded by every command
 
     sys.stdout.write(json.dumps(to_json_value(obj, unknown_as_str=True), indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()

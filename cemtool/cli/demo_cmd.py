@@ -174,8 +174,8 @@ def write_timing(out: Path, clock: Clock, settings: dict, quick: bool) -> Path:
 
     import torch
 
+    from cemtool.fileio import read_json
     from cemtool.report import provenance, write_report
-    from cemtool.runs import read_json
 
     path = out / "reports" / "demo.json"
     try:

@@ -46,8 +46,8 @@ def plot(
 
 
 def _plot(paths: list[Path], out: Path | None, each_run: bool, quiet: bool, json_: bool, exts: tuple[str, ...]):
+    from cemtool.layout import is_hf_dir, is_run
     from cemtool.plots.render import render_all, render_sweep
-    from cemtool.runs import is_hf_dir, is_run
 
     problems: list[str] = []
     if len(paths) == 1:

@@ -38,9 +38,9 @@ def sample(
     from cemtool.generate import SampleOptions
     from cemtool.generate import sample as generate_samples
     from cemtool.report import provenance
-    from cemtool.runs import atomic_write_json
     from cemtool.subject import open_subject
     from cemtool.train import pick_device
+    from cemtool.writes import atomic_write_json
 
     opts = SampleOptions(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed, num_samples=num_samples)
     opts.check()  # the numbers first, before anything is loaded; top-k against the vocabulary once it is known

@@ -188,8 +188,9 @@ def sweep(
     import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
     from cemtool.analysis.saturation import summarise_sweep, sweep_grid
     from cemtool.data.corpus import load_corpus
+    from cemtool.layout import is_run
     from cemtool.report import provenance, write_report
-    from cemtool.runs import create_run, is_run, open_run
+    from cemtool.runs import create_run, open_run
     from cemtool.train import finalize_model_config, pick_device
     from cemtool.train import train as train_loop
 

@@ -176,7 +176,7 @@ def sharpness(
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.sharpness import check_per_layer  # start-up (torch)
     from cemtool.jobs import run_job  # start-up: torch and matplotlib load when a command runs, not for --help
-    from cemtool.runs import safe_name, to_json_value
+    from cemtool.writes import safe_name, to_json_value
 
     if backend not in ("cemtool", "pyhessian"):
         raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
@@ -276,10 +276,11 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
     from cemtool.analysis.pyhessian_backend import run_pyhessian  # optional dependency: PyHessian
     from cemtool.analysis.sharpness import report_name, tokens_note  # start-up (torch)
     from cemtool.distributed import init_distributed
+    from cemtool.fileio import read_json
     from cemtool.report import provenance, write_report
-    from cemtool.runs import read_json, to_json_value
     from cemtool.subject import open_subject
     from cemtool.train import pick_device
+    from cemtool.writes import to_json_value
 
     if opts.hvp != "exact":
         raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",

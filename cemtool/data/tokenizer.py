@@ -83,7 +83,7 @@ class Tokenizer:
         return json.dumps({"cemtool_kind": self.kind, "tokenizer": json.loads(self.hf.to_str())})
 
     def save(self, path: str | Path) -> None:
-        from cemtool.runs import atomic_write_text
+        from cemtool.writes import atomic_write_text
 
         atomic_write_text(Path(path), self.to_json())
 

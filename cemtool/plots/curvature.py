@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cemtool.fileio import read_jsonl
 from cemtool.plots.style import (
     CURVATURE,
     arch_color,
@@ -24,7 +25,6 @@ from cemtool.plots.style import (
     save,
 )
 from cemtool.plots.training import read_run
-from cemtool.runs import read_jsonl
 
 THRESHOLD_COLOR = "k"
 

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cemtool.errors import CemtoolError
+from cemtool.layout import is_hf_dir, is_run
 from cemtool.plots.training import distinguishable, plot_training, read_json, read_run
 from cemtool.report import mismatch_text, mismatched_settings, named_reports, report_kind, report_options
-from cemtool.runs import is_hf_dir, is_run
 
 Plotter = Callable[[dict, Path, str], list[Path]]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from cemtool.plots.training import RunCurves, label_runs, read_run
 from cemtool.report import SPREAD, fmt, markdown_table
-from cemtool.runs import atomic_write_text
+from cemtool.writes import atomic_write_text
 
 # --------------------------------------------------------------------------------------------------------------
 # small formatting helpers

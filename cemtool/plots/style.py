@@ -291,7 +291,7 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
     figure. Titles that would be wider than their axes are wrapped first."""
     import io
 
-    from cemtool.runs import atomic_write_bytes
+    from cemtool.writes import atomic_write_bytes
 
     d = Path(plots_dir)
     if _OUTPUT["size"]:

@@ -20,9 +20,10 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import EngFormatter
 
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json, read_jsonl
+from cemtool.layout import is_hf_dir, is_run
 from cemtool.plots.style import arch_color, legend_below, log_ticks, new_figure, save
 from cemtool.report import group_labels, run_settings
-from cemtool.runs import is_hf_dir, is_run, read_json, read_jsonl
 
 FLOOR_COLOR = "k"
 SEED_STYLES = ["-", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3))]  # never "--": that is the floor's

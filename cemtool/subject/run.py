@@ -5,10 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from cemtool.checkpoints import find_checkpoint, load_weights, manifest, read_checkpoint
 from cemtool.config import replace
 from cemtool.data.tokenizer import load_tokenizer
 from cemtool.models.registry import build_model
-from cemtool.runs import find_checkpoint, load_weights, manifest, open_run, read_checkpoint
+from cemtool.runs import open_run
 from cemtool.subject.base import Subject
 from cemtool.subject.hf.loader import register_saved
 

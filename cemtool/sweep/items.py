@@ -19,7 +19,8 @@ from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
 from cemtool.forgetting import clear_partial_run, fine_tune, target_slug
 from cemtool.jobs import run_job
-from cemtool.runs import create_run, is_run, open_run
+from cemtool.layout import is_run
+from cemtool.runs import create_run, open_run
 from cemtool.sweep.manifest import Study, _not_a_link
 from cemtool.sweep.options import analysis_options
 from cemtool.sweep.plan import Plan, item_config

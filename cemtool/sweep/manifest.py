@@ -14,10 +14,13 @@ from pathlib import Path
 
 from cemtool.config import parse_override
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json
 from cemtool.models.registry import get_arch
-from cemtool.runs import Run, atomic_write_json, now, open_lock_file, read_json
+from cemtool.provenance import now
+from cemtool.runs import Run, open_lock_file
 from cemtool.sweep.options import ANALYSES, _whole
 from cemtool.sweep.plan import MAX_RUN_NAME, Plan, parse_grid, plan_items
+from cemtool.writes import atomic_write_json
 
 SCHEMA_VERSION = 1
 

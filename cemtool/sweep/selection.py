@@ -9,9 +9,9 @@ from pathlib import Path
 
 from cemtool.config import parse_override
 from cemtool.errors import CemtoolError
-from cemtool.runs import atomic_write_json
 from cemtool.sweep.manifest import SCHEMA_VERSION, open_study
 from cemtool.sweep.plan import Plan, _split_list, grid_points, make_plan, parse_grid, parse_seeds
+from cemtool.writes import atomic_write_json
 
 SELECTION = "selection.json"
 

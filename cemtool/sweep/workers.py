@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from cemtool.errors import CemtoolError
-from cemtool.runs import open_lock_file, os_error
+from cemtool.runs import open_lock_file
 from cemtool.sweep.items import Callback, _do_item, _finished
 from cemtool.sweep.manifest import Study, _not_a_link, read_manifest
+from cemtool.writes import os_error
 
 # -- parallel workers (--jobs) -------------------------------------------------------------------------------------
 

@@ -47,9 +47,10 @@ import torch
 
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError
-from cemtool.runs import atomic_write_bytes, atomic_write_json, is_run
+from cemtool.layout import is_run
 from cemtool.subject import open_subject
 from cemtool.subject.hf.loader import EXPORT_FILE
+from cemtool.writes import atomic_write_bytes, atomic_write_json
 
 TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32
 WRITES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", EXPORT_FILE)

@@ -33,7 +33,7 @@ from typing import Any
 
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json
-from cemtool.runs import is_hf_dir  # the one detector of run and model directories (re-exported here)
+from cemtool.layout import is_hf_dir  # the one detector of run and model directories (re-exported here)
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
@@ -132,7 +132,7 @@ def check_links(path: Path, cache_repo: Path | None = None) -> None:
 def refuse_remote_code(path: Path) -> None:
     """Refuse a directory whose config names its own Python classes (``auto_map``): transformers would import and
     run the directory's ``*.py`` files. cemtool never runs code from a model directory."""
-    from cemtool.runs import read_json
+    from cemtool.fileio import read_json
 
     for name in ("config.json", "tokenizer_config.json"):
         f = path / name
@@ -162,7 +162,7 @@ def check_files(path: Path) -> list[Path]:
 def read_headers(weights: list[Path]) -> dict[str, TensorInfo]:
     """Every tensor's dtype and shape, from the weight files' headers (no data read), each file's layout checked
     (:func:`cemtool.tensorfile.read_header`)."""
-    from cemtool.runs import os_error
+    from cemtool.writes import os_error
 
     found: dict[str, TensorInfo] = {}
     for w in weights:
@@ -449,9 +449,10 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     import torch
 
     from cemtool.config import RunConfig, to_dict
-    from cemtool.runs import Run, atomic_write_json
+    from cemtool.runs import Run
     from cemtool.subject.base import Subject
     from cemtool.subject.hf.adapter import ForeignLM
+    from cemtool.writes import atomic_write_json
 
     spec = str(source)
     if checkpoint not in ("final", "latest"):
