@@ -5,8 +5,8 @@ maps each tensor name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (a
 map). :func:`read_header` refuses, with the reason, anything else: a pickle or zip (``torch.save``) under a
 safetensors name, a header longer than the file or than 100 MB, a header that is not a flat JSON object, an unknown
 dtype, a shape whose size does not match its byte range, ranges that overlap, leave gaps or run past the end of the
-file (a truncated file). Used by cemtool's own checkpoints (``cemtool.checkpoints.read_checkpoint``) and by the loader of
-Hugging Face models (``cemtool.subject.hf.loader``) before safetensors or transformers open the file.
+file (a truncated file). Used by cemtool's own checkpoints (``cemtool.checkpoints.read_checkpoint``) and by the
+loader of Hugging Face models (``cemtool.subject.hf.loader``) before safetensors or transformers open the file.
 """
 
 from __future__ import annotations

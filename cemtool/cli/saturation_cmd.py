@@ -7,8 +7,6 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
-import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -153,6 +151,45 @@ def _sweep_config(arch: str, data: str, p, *, d_model: int, n_layer: int, steps:
     return resolve(arch=arch, overrides=overrides, seed=p.seed, data_source=data)
 
 
+def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, quiet: bool) -> list[dict]:
+    """Train every grid point (a completed one is reused); one row per point."""
+    from cemtool.runs import open_run  # start-up: torch loads when the sweep runs
+    from cemtool.start import start_or_resume
+
+    steps = sizes["steps"]
+    results: list[dict] = []
+    corpora: dict = {}
+    with console.progress(quiet) as bar:
+        task = bar.add_task("sweep", total=len(points) * steps, status="")
+        for k, p in enumerate(points):
+            run_dir = root / "runs" / p.name
+            cfg = _sweep_config(arch, data, p, **sizes)
+            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed,
+                   "run": str(run_dir)}
+
+            def cb(ev: dict, k=k, name=p.name) -> None:
+                if ev["kind"] == "step":
+                    bar.update(task, completed=k * steps + ev["step"], status=f"{name} loss {ev['loss']:.3f}")
+
+            st = start_or_resume(cfg, run_dir, device=dev, existing="reuse", corpora=corpora,
+                                 extra_meta={"sweep": str(root)}, callback=cb)
+            if st.how == "reused":
+                meta = st.run.meta()
+                row.update(val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), reused=True,
+                           params=meta.get("params", {}).get("total"), seconds=meta.get("train_seconds"))
+                results.append(row)
+                bar.update(task, completed=(k + 1) * steps, status=f"{p.name} (reused)")
+                continue
+            res = st.result
+            if res.status != "completed":
+                raise CemtoolError(f"training {p.name} ended {res.status}", hint="rerun with the same --out to "
+                                   "resume the sweep")
+            row.update(val_loss=res.val_loss, val_floor=res.val_floor, reused=False,
+                       params=open_run(run_dir).meta().get("params", {}).get("total"), seconds=res.seconds)
+            results.append(row)
+    return results
+
+
 @sat_app.command("sweep")
 @guarded
 def sweep(
@@ -185,14 +222,10 @@ def sweep(
 ) -> None:
     """Train over head sizes at a fixed budget H*d_h and over sequence lengths; loss vs d_h per T, the gain per
     doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
-    import cemtool.data.synthetic  # noqa: F401  (registers the ngram source)
+    import cemtool.data.synthetic  # noqa: F401  (start-up: registers the ngram source; torch loads when it runs)
     from cemtool.analysis.saturation import summarise_sweep, sweep_grid
-    from cemtool.data.corpus import load_corpus
-    from cemtool.layout import is_run
     from cemtool.report import provenance, write_report
-    from cemtool.runs import create_run, open_run
-    from cemtool.train import finalize_model_config, pick_device
-    from cemtool.train import train as train_loop
+    from cemtool.train import pick_device
 
     for name, v in (("--budget", budget), ("--steps", steps), ("--d-model", d_model), ("--n-layer", n_layer),
                     ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
@@ -214,45 +247,9 @@ def sweep(
     options = {"head_dims": dims, "budget": budget, "seq_lens": lens, "seeds": seed_list, "steps": steps,
                "d_model": d_model, "n_layer": n_layer, "lr": lr, "batch_tokens": batch_tokens, "data": data,
                "arch": arch, "train_tokens": train_tokens, "eval_tokens": eval_tokens, "set": extra}
-    results, corpora = [], {}
-    with console.progress(quiet) as bar:
-        task = bar.add_task("sweep", total=len(points) * steps, status="")
-        for k, p in enumerate(points):
-            run_dir = root / "runs" / p.name
-            cfg = _sweep_config(arch, data, p, d_model=d_model, n_layer=n_layer, steps=steps, lr=lr,
-                                batch_tokens=batch_tokens, train_tokens=train_tokens, eval_tokens=eval_tokens,
-                                extra=extra)
-            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed,
-                   "run": str(run_dir)}
-            if is_run(run_dir) and open_run(run_dir).meta().get("status") == "completed":
-                meta = open_run(run_dir).meta()
-                row.update(val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), reused=True,
-                           params=meta.get("params", {}).get("total"), seconds=meta.get("train_seconds"))
-                results.append(row)
-                bar.update(task, completed=(k + 1) * steps, status=f"{p.name} (reused)")
-                continue
-            key = json.dumps(cfg.data.__dict__, sort_keys=True, default=str)
-            if key not in corpora:
-                corpora[key] = load_corpus(cfg.data)
-            corpus = corpora[key]
-            cfg = finalize_model_config(cfg, corpus)
-            writer = create_run(run_dir, cfg, force=True, argv=sys.argv, device=str(dev),
-                                extra_meta={"corpus": corpus.info, "sweep": str(root)}, tokenizer=corpus.tokenizer)
-
-            def cb(ev: dict, k=k, name=p.name) -> None:
-                if ev["kind"] == "step":
-                    bar.update(task, completed=k * steps + ev["step"], status=f"{name} loss {ev['loss']:.3f}")
-
-            try:
-                res = train_loop(cfg, corpus, writer, device=dev, callback=cb)
-            finally:
-                writer.unlock()
-            if res.status != "completed":
-                raise CemtoolError(f"training {p.name} ended {res.status}", hint="rerun with the same --out to "
-                                   "resume the sweep")
-            row.update(val_loss=res.val_loss, val_floor=res.val_floor, reused=False,
-                       params=open_run(run_dir).meta().get("params", {}).get("total"), seconds=res.seconds)
-            results.append(row)
+    sizes = dict(d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
+                 train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
+    results = _train_points(points, root, arch, data, sizes, dev, quiet)
     summary = summarise_sweep(results, threshold)
     payload = {"provenance": provenance(root, command="saturation sweep", options=options),
                "task": data, "budget": budget, "steps": steps, "seeds": seed_list, "threshold": threshold,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -138,12 +137,10 @@ def train(
     json_: Annotated[bool, typer.Option("--json", help="print the result as JSON")] = False,
 ) -> None:
     """Train a language model and write a self-describing run directory."""
-    from cemtool.data.corpus import load_corpus
-    from cemtool.data.tokenizer import load_tokenizer
-    from cemtool.runs import create_run, open_run
+    from cemtool.data.corpus import load_corpus  # start-up: torch loads when the command runs, not for --help
+    from cemtool.start import start_or_resume
     from cemtool.tblog import check_log_to
-    from cemtool.train import finalize_model_config, pick_device
-    from cemtool.train import train as train_loop
+    from cemtool.train import pick_device
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -155,14 +152,7 @@ def train(
         if arch or data or config or set_ or seed is not None or out or force or match_params or match_flops:
             raise typer.BadParameter("--resume continues a run as configured; it takes no other config options",
                                      param_hint="--resume")
-        run = open_run(resume, lock=rank == 0)
-        meta = run.meta()
-        if meta.get("status") == "completed":
-            raise CemtoolError(f"run {resume} is already completed")
-        cfg = run.config()
-        check_log_to(cfg.train.log_to)
-        corpus = load_corpus(cfg.data, tokenizer=load_tokenizer(run.path / "tokenizer.json"))
-        writer = run if rank == 0 else None  # rank 0 alone writes (and unlocks) the run
+        what, corpus, extra = resume, None, None
     else:
         cfg = resolve(arch=arch, file=config, overrides=set_ or [], seed=seed, data_source=data)
         check_log_to(cfg.train.log_to)  # before the run is created
@@ -174,30 +164,17 @@ def train(
         out = out or default_out(cfg.model.arch, cfg.seed)
         corpus = load_corpus(cfg.data)
         if match_params or match_flops:
-            from cemtool.analysis.compute import match_width, target_size
+            cfg = _matched(cfg, corpus, arch, config, set_, seed, data, match_params, match_flops, quiet)
+        what, extra = cfg, {"world_size": world, "config_files": [str(c) for c in config or []]}
 
-            by, ref = ("params", match_params) if match_params else ("flops", match_flops)
-            target = target_size(ref, set_ or [], corpus.tokenizer.vocab_size, cfg.data.seq_len)
-            best = match_width(target, by, cfg.model.arch, set_ or [])
-            cfg = resolve(arch=arch, file=config, overrides=[*(set_ or []), *best["overrides"]], seed=seed,
-                          data_source=data)
-            console.info(f"matched {by} of {ref}: {' '.join(best['overrides'])} ({best['rel_error']:+.2%})", quiet)
-        cfg = finalize_model_config(cfg, corpus)
-        writer = None
-        if rank == 0:
-            writer = create_run(out, cfg, force=force, argv=sys.argv, device=str(dev),
-                                extra_meta={"corpus": corpus.info, "world_size": world,
-                                            "config_files": [str(c) for c in config or []]}, tokenizer=corpus.tokenizer)
-            console.info(f"run directory: {writer.path}", quiet)
-    try:
-        with ProgressReporter(quiet) as rep:
-            # on --resume every rank gets the run: each restores weights, optimizer state and step from the same
-            # checkpoint (train() writes only on rank 0 and marks the run running once the checkpoint has loaded)
-            res = train_loop(cfg, corpus, run if resume is not None else writer, device=dev,
-                             resume=resume is not None, callback=rep, allow_data_change=allow_data_change)
-    finally:
-        if writer is not None:
-            writer.unlock()
+    def started(run, how: str) -> None:
+        if run is not None and how == "new":
+            console.info(f"run directory: {run.path}", quiet)
+
+    with ProgressReporter(quiet) as rep:
+        st = start_or_resume(what, out, device=dev, existing="replace" if force else "error", corpus=corpus,
+                             extra_meta=extra, callback=rep, allow_data_change=allow_data_change, on_start=started)
+    res, writer = st.result, st.run
     code = (143 if res.signal == "SIGTERM" else 130) if res.status == "interrupted" else 0  # 128 + the signal
     if rank != 0:
         if code:
@@ -218,6 +195,18 @@ def train(
     if res.status == "interrupted":
         console.info(interrupted_line(res, writer.path))
         raise typer.Exit(code)
+
+
+def _matched(cfg, corpus, arch, config, set_, seed, data, match_params, match_flops, quiet: bool):
+    """--match-params / --match-flops: this architecture resized to the target's size, as a config."""
+    from cemtool.analysis.compute import match_width, target_size  # start-up: torch
+
+    by, ref = ("params", match_params) if match_params else ("flops", match_flops)
+    target = target_size(ref, set_ or [], corpus.tokenizer.vocab_size, cfg.data.seq_len)
+    best = match_width(target, by, cfg.model.arch, set_ or [])
+    cfg = resolve(arch=arch, file=config, overrides=[*(set_ or []), *best["overrides"]], seed=seed, data_source=data)
+    console.info(f"matched {by} of {ref}: {' '.join(best['overrides'])} ({best['rel_error']:+.2%})", quiet)
+    return cfg
 
 
 def interrupted_line(res, path: Path) -> str:

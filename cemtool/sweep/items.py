@@ -4,8 +4,6 @@ the report the analysis' own command would write."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,18 +11,13 @@ from pathlib import Path
 import torch
 
 from cemtool.analysis.compute import run_compute
-from cemtool.config import RunConfig, to_dict
-from cemtool.config import replace as replace_config
-from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
 from cemtool.forgetting import clear_partial_run, fine_tune, target_slug
 from cemtool.jobs import run_job
-from cemtool.layout import is_run
-from cemtool.runs import create_run, open_run
+from cemtool.start import start_or_resume
 from cemtool.sweep.manifest import Study, _not_a_link
 from cemtool.sweep.options import analysis_options
 from cemtool.sweep.plan import Plan, item_config
-from cemtool.train import finalize_model_config, train
 
 Callback = Callable[[dict], None]
 
@@ -79,50 +72,31 @@ def _do_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: C
         raise
 
 
-def _corpus(cfg: RunConfig, corpora: dict):
-    key = json.dumps(to_dict(cfg.data), sort_keys=True)
-    if key not in corpora:
-        corpora[key] = load_corpus(cfg.data)
-    return corpora[key]
-
-
 def _train_item(study: Study, item: dict, dev: torch.device, corpora: dict, emit: Callback) -> None:
     """Train one item, or continue it, or skip it if completed; record its compute."""
     plan, path = study.plan, study.path / item["run"]
     _not_a_link(path)
     cfg = item_config(plan, item["arch"], item["seed"], item.get("point"))
     clear_partial_run(path)
-    resume = is_run(path)
-    if resume:
-        run = open_run(path)
-        stored = run.config()
-        filled = replace_config(cfg, **{"model.vocab_size": stored.model.vocab_size,
-                                        "model.max_seq_len": stored.model.max_seq_len})
-        if to_dict(stored) != to_dict(filled):
-            raise CemtoolError(f"{path} holds a run with another config than the study plans",
-                               hint="move it away, or use another --out")
-        cfg = stored
-    if not resume or run.meta().get("status") != "completed":
-        corpus = _corpus(cfg, corpora)
-        if resume:
-            run.lock()  # train() marks it running again once its checkpoint has loaded
-        else:
-            cfg = finalize_model_config(cfg, corpus)
-            run = create_run(path, cfg, argv=sys.argv, device=str(dev),
-                             extra_meta={"corpus": corpus.info, "study": str(study.path.resolve()),
-                                         "item": item["name"]}, tokenizer=corpus.tokenizer)
+    began: list[str] = []
+
+    def running(run, how: str) -> None:  # created or locked: the study records it before the first step
+        began.append(how)
         item.update(status="running", error=None)
         study.save()
-        try:
-            res = train(cfg, corpus, run, device=dev, resume=resume, callback=emit)
-        except CemtoolError as e:
-            item.update(status="failed", error=e.message)
-            study.save()
-            return
-        finally:
-            run.unlock()
-        if res.status != "completed":
-            raise KeyboardInterrupt  # train() caught a Ctrl-C and kept its last checkpoint
+
+    try:
+        st = start_or_resume(cfg, path, device=dev, existing="resume", corpora=corpora, callback=emit,
+                             extra_meta={"study": str(study.path.resolve()), "item": item["name"]}, on_start=running)
+    except CemtoolError as e:
+        if not began:  # before training: the study itself is wrong (another run in the item's folder)
+            raise
+        item.update(status="failed", error=e.message)
+        study.save()
+        return
+    if st.result is not None and st.result.status != "completed":
+        raise KeyboardInterrupt  # train() caught a Ctrl-C and kept its last checkpoint
+    run, cfg = st.run, st.config
     meta = run.meta()
     item.update(status="completed", error=None, step=meta.get("step"), tokens=meta.get("tokens"),
                 val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), seconds=meta.get("train_seconds"))
