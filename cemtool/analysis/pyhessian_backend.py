@@ -15,18 +15,21 @@ evaluation tokens and parameter subset cemtool uses, without touching the caller
 - ``density()`` calls ``torch.eig``, removed from torch in 2.0: with ``eig_shim`` a stand-in built on
   ``torch.linalg.eigh`` (T is symmetric) is installed for that call only; without it the crash is reported.
 
-A failure inside PyHessian is caught and returned as a message in the result, never raised.
+A failure inside PyHessian is caught and returned as a message in the result, never raised. PyHessian itself is an
+optional dependency (``pip install "cemtool[pyhessian]"``), imported only when it is run.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from importlib import metadata
 
 import numpy as np
 import torch
@@ -64,18 +67,20 @@ class PyHessianResult:
     tokens: int = 0
 
 
-def _import_pyhessian():
-    try:
-        import importlib
+MISSING = '--backend pyhessian needs PyHessian: pip install "cemtool[pyhessian]"'
 
+
+def require_pyhessian():
+    """PyHessian's package, its ``hessian`` module and its version; a CemtoolError naming the extra to install
+    when it is missing (the CLI calls this before it loads the model)."""
+    try:
+        # optional dependency (the "pyhessian" extra), imported only when asked for
         pyhessian = importlib.import_module("pyhessian")
         ph = importlib.import_module("pyhessian.hessian")  # the module (the package attribute is the class)
-    except ImportError as e:
-        raise CemtoolError(f"PyHessian is not importable ({e})", hint="pip install pyhessian") from None
+    except ImportError:
+        raise CemtoolError(MISSING) from None
     try:
-        from importlib.metadata import version
-
-        ver = version("pyhessian")
+        ver = metadata.version("pyhessian")
     except Exception:  # noqa: BLE001 - metadata is optional
         ver = "unknown"
     return pyhessian, ph, ver
@@ -155,7 +160,7 @@ def run_pyhessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params:
     several: its dataloader mode (recomputes the graph per HVP). PyHessian's own defaults for iterations and
     tolerances. Its random vectors come from the global torch RNG, seeded with ``seed`` here.
     """
-    _, ph, ver = _import_pyhessian()
+    _, ph, ver = require_pyhessian()
     dt = resolve_dtype(dtype)
     dev = torch.device(device) if device is not None else next(model.parameters()).device
     if y.numel() == 0:
@@ -245,4 +250,4 @@ def run_pyhessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params:
     return res
 
 
-__all__ = ["PyHessianResult", "prepare_model", "run_pyhessian"]
+__all__ = ["MISSING", "PyHessianResult", "prepare_model", "require_pyhessian", "run_pyhessian"]

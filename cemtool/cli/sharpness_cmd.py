@@ -273,7 +273,7 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
     cross-check backend: it writes its own report, sharpness_pyhessian)."""
     from dataclasses import asdict, replace
 
-    from cemtool.analysis.pyhessian_backend import run_pyhessian  # optional dependency: PyHessian
+    from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # optional dependency inside
     from cemtool.analysis.sharpness import report_name, tokens_note  # start-up (torch)
     from cemtool.distributed import init_distributed
     from cemtool.fileio import read_json
@@ -288,6 +288,7 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
     if opts.top_k + opts.trace_hvps + opts.density_runs == 0:
         raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                          "to measure")
+    require_pyhessian()  # an optional extra: say which one before the model is loaded
     dev = pick_device(device)
     if init_distributed(dev).world > 1:
         raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
