@@ -1,12 +1,13 @@
 """Run every snippet of the docs for real and record how long each took (docs/snippet_times.json).
 
-A snippet is a fenced ```python or ```bash block of README.md or docs/*.md. The snippets of one page run in order
-in one fresh temporary folder (a later block may use what an earlier one made, e.g. a run directory), the Python
-blocks in one shared namespace, the shell blocks with bash. A snippet's time is the smaller of its wall-clock and
-its CPU time (on a shared machine the first grows with the others' load; the second is what one idle core would
-take, so at most that on two; the snippets run on one thread, since two threads on a loaded machine
-spin-wait and inflate the CPU time), and it is stopped after TIMEOUT seconds of CPU time; a snippet that needs
-what this machine cannot give (a GPU, the network, the test suite) is listed in NOT_RUN with the reason and not run.
+A snippet is a fenced ```python or ```bash block of README.md, docs/*.md, research/README.md or research/docs/*.md.
+The snippets of one page run in order in one fresh temporary folder (a later block may use what an earlier one made,
+e.g. a run directory), the Python blocks in one shared namespace, the shell blocks with bash. A snippet's time is
+the smaller of its wall-clock and its CPU time (on a shared machine the first grows with the others' load; the
+second is what one idle core would take, so at most that on two; the snippets run on one thread, since two threads
+on a loaded machine spin-wait and inflate the CPU time), and it is stopped after TIMEOUT seconds of CPU time; a
+snippet that needs what this machine cannot give (a GPU, the network, the test suite) is listed in NOT_RUN with the
+reason and not run.
 
 The line right after each block states its time, ``(~N s on 2 idle cores)``, or why it has none,
 ``(not timed: REASON)``; tests/test_docs.py checks every such claim against the records written here.
@@ -75,8 +76,9 @@ class Snippet:
 
 
 def pages(root: Path = ROOT) -> list[Path]:
-    """README.md and every docs page."""
-    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    """README.md, every docs page, and the research study's README and pages."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "research" / "README.md",
+            *sorted((root / "research" / "docs").glob("*.md"))]
 
 
 def extract(path: Path, root: Path = ROOT) -> list[Snippet]:
@@ -179,7 +181,7 @@ def measure_page(page: str, timeout: float) -> dict:
     namespace: dict = {"__name__": "__snippet__"}
     with tempfile.TemporaryDirectory(prefix="snippets-") as tmp:
         os.chdir(tmp)
-        for name in ("benchmarks", "scripts"):  # commands the docs give from the repository root
+        for name in ("benchmarks", "scripts", "research"):  # commands the docs give from the repository root
             os.symlink(ROOT / name, name)
         for s in extract(ROOT / page):
             rec = {"page": s.page, "line": s.line, "lang": s.lang, "digest": s.digest,

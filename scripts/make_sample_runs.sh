@@ -3,7 +3,7 @@
 #
 #   scripts/make_sample_runs.sh [STUDY]    (about 10 minutes on 2 CPU cores)
 #
-# STUDY: a finished study made by scripts/study.sh (about 1 h 20 min; default runs/study when it exists; a path
+# STUDY: a finished study made by research/scripts/study.sh (about 1 h 20 min; default runs/study when it exists; a path
 # relative to the repository). Its light outputs are copied into sample_runs/study/: the study's report.md, figures
 # and comparison tables, each run's config, meta, metrics and forgetting report (not the runs' own sharpness and
 # collapse reports, whose numbers are in compare_runs.csv and reports/compare.json, nor checkpoints); and its
@@ -98,8 +98,8 @@ is as the commands wrote it). Start with [demo/report.md](demo/report.md).
 | [demo/baseline-s0-ft-grammar-b/](demo/baseline-s0-ft-grammar-b/report.md) | `cemtool forgetting` | a fine-tune: source and target losses along the way |
 | [lime/](lime/report.md) | `cemtool train --arch lime`, `collapse-report`, `plot` | LIMe router heatmaps, expected retrieved layer |
 | [saturation-sweep/](saturation-sweep/report.md) | `cemtool saturation sweep`, `plot` | final loss against head size at a fixed budget, per sequence length |
-| [study-saturation/](study-saturation/report.md) | `cemtool saturation sweep` (45 models), `plot` | the saturation sweep of docs/findings.md §4 |
-| [study/](study/report.md) | `scripts/study.sh`: `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | the study behind [docs/findings.md](../docs/findings.md): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
+| [study-saturation/](study-saturation/report.md) | `cemtool saturation sweep` (45 models), `plot` | the saturation sweep of research/docs/findings.md §4 |
+| [study/](study/report.md) | `research/scripts/study.sh`: `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | the study behind [research/docs/findings.md](../research/docs/findings.md): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
 
 When these files were made the demo took {total['wall_s']:.0f} s wall clock and {total['cpu_s']:.0f} s of CPU time (process
 time, all threads) on {timing['cpu_count']} CPU cores with {timing['threads']} torch thread(s) of a machine shared with other

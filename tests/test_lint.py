@@ -11,6 +11,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff not installed (pip install -e '.[test]')")
 def test_ruff_clean():
-    res = subprocess.run(["ruff", "check", "cemtool", "tests", "benchmarks"], cwd=ROOT, capture_output=True,
+    res = subprocess.run(["ruff", "check", "cemtool", "tests", "benchmarks", "research"], cwd=ROOT, capture_output=True,
                          text=True)
     assert res.returncode == 0, res.stdout[-3000:]

@@ -1,12 +1,12 @@
-"""The verdict table of docs/findings.md, computed from the studies of scripts/study.sh.
+"""The verdict table of research/docs/findings.md, computed from the studies of research/scripts/study.sh.
 
-    python scripts/findings.py [STUDY]        (default runs/findings; a partly finished study gives partial rows)
+    python research/scripts/findings.py [STUDY]   (default runs/findings; a partly finished study gives partial rows)
 
 Writes STUDY/findings.md (the 14-claim table per part, then the numbers behind every row) and STUDY/findings.json.
 Reads only the runs' records and reports (study.json, meta.json, reports/*.json), like `cemtool compare`; the
 numbers are the same as `cemtool compare DIR ...` prints for the study directories each row names.
 
-Decision rules (stated in docs/findings.md):
+Decision rules (stated in research/docs/findings.md):
 - "A beats B" claims: reproduced when the Welch 95% interval of mean_A - mean_B lies below zero (for the loss;
   above zero for a quantity the claim says is higher), not reproduced otherwise, with the reason (the opposite
   resolved, or no difference resolved);
@@ -537,17 +537,18 @@ PAPER14 = "routers read earlier layers, near and far"
 CLAIMS = [claim1, claim2, claim3, claim4, claim5, claim6, claim7, claim8, claim10, claim11, claim12, claim13,
           claim14]
 
-PART_CLAIMS = {"grammar-muon": [claim4, claim5, claim6, claim7, claim8]}  # scripts/study.sh muon: the momentum groups
+# research/scripts/study.sh muon: the momentum groups
+PART_CLAIMS = {"grammar-muon": [claim4, claim5, claim6, claim7, claim8]}
 
 
 CLAIM9 = "9. Softmax saturation: diminishing returns in head dimension, stronger for long sequences"
-SATURATION_SAMPLE = Path(__file__).resolve().parents[1] / "sample_runs" / "study-saturation"  # the first study's
+SATURATION_SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "study-saturation"  # the first study's
 
 
 def saturation_dirs(root: Path, part: str) -> list[Path]:
     """Where each part's saturation sweep is, first found first: the grammar part's is the n-gram sweep
-    (scripts/study.sh saturation: ROOT/saturation; else the first study's, sample_runs/study-saturation), the pydoc
-    part's the sweep on its own text (ROOT/pydoc/saturation)."""
+    (research/scripts/study.sh saturation: ROOT/saturation; else the first study's, sample_runs/study-saturation),
+    the pydoc part's the sweep on its own text (ROOT/pydoc/saturation)."""
     return [root / "saturation", SATURATION_SAMPLE] if part == "grammar" else [root / part / "saturation"]
 
 

@@ -1,13 +1,15 @@
-"""Fill docs/findings.md's generated blocks from a study's findings.md (written by scripts/findings.py).
+"""Fill research/docs/findings.md's generated blocks from a study's findings.md (written by
+research/scripts/findings.py).
 
-    python scripts/findings_doc.py [FINDINGS_MD] [DOC]
-        (defaults sample_runs/findings/findings.md and docs/findings.md)
+    python research/scripts/findings_doc.py [FINDINGS_MD] [DOC]
+        (defaults sample_runs/findings/findings.md and research/docs/findings.md, from the repository root)
 
 The blocks are the text between `<!-- NAME -->` and `<!-- /NAME -->`; everything else in DOC is prose and is kept.
 TABLE: the grammar part's verdict table and its details. TUNING: the learning rates chosen and the compute lines of
 every part. MUON and PYDOC: those parts' tables and details (NOT_YET while the part has no finished comparison).
-AGREE: where each part's verdicts agree with the grammar part's. tests/test_findings.py checks that docs/findings.md
-equals what this writes from sample_runs/findings, so the document cannot drift from the runs it cites.
+AGREE: where each part's verdicts agree with the grammar part's. research/tests/test_findings.py checks that
+research/docs/findings.md equals what this writes from sample_runs/findings, so the document cannot drift from the
+runs it cites.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import sys
 from pathlib import Path
 
 TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learning rate, 5 comparison seeds (printed "
-               "by `python scripts/findings.py runs/findings`; the command behind each row is under \"Details\"):")
+               "by `python research/scripts/findings.py runs/findings`; the command behind each row is under "
+               "\"Details\"):")
 DETAILS = "**Details** (means ± std over seeds, and the `cemtool compare` command of each row):"
 PART_TUNING = {"grammar-muon": "The Muon part (`train.muon_lr` for the blocks' matrices; AdamW at 3e-3 for the rest):",
                "pydoc": "The pydoc part (Python's documentation, BPE 1,024):"}
@@ -27,7 +30,7 @@ NOT_YET = "(No comparison of this part has finished yet.)"
 
 
 def parts(generated: str) -> dict[str, str]:
-    """The sections of scripts/findings.py's findings.md: one per part (`## NAME: ...`), and `agree`."""
+    """The sections of research/scripts/findings.py's findings.md: one per part (`## NAME: ...`), and `agree`."""
     out = {}
     heads = list(re.finditer(r"^## (.+)$", generated, re.M))
     for m, nxt in zip(heads, heads[1:] + [None], strict=True):
@@ -78,7 +81,7 @@ def fill(doc: str, generated: str) -> str:
 
 def main(argv: list[str]) -> int:
     gen = Path(argv[1] if len(argv) > 1 else "sample_runs/findings/findings.md")
-    doc = Path(argv[2] if len(argv) > 2 else "docs/findings.md")
+    doc = Path(argv[2] if len(argv) > 2 else "research/docs/findings.md")
     try:
         new = fill(doc.read_text(encoding="utf-8"), gen.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

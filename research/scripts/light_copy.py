@@ -1,15 +1,15 @@
-"""Copy a study tree (scripts/study.sh's runs/findings, or any folder of `cemtool sweep` studies) without checkpoints,
-so that it can be committed and continued later.
+"""Copy a study tree (research/scripts/study.sh's runs/findings, or any folder of `cemtool sweep` studies) without
+checkpoints, so that it can be committed and continued later.
 
-    python scripts/light_copy.py SRC DEST
+    python research/scripts/light_copy.py SRC DEST
 
 Every study directory (a folder with study.json) is copied with the runs of its finished items: config, meta,
 metrics, tokenizer, reports and figures, and their fine-tunes' (forgetting) reports; never a checkpoint. An item is
 finished when it trained and every analysis of the plan is done. Items that are not (a run cut short, an analysis
 still pending, both of which need checkpoints to continue) are reset to pending in the copied study.json and their
-folders are left out, so `cemtool sweep` (or scripts/study.sh) started on the copy retrains them from scratch, to
-the same result: batches and initialisation are a pure function of the seed. Logs and selection.json files are
-copied as they are. DEST is replaced.
+folders are left out, so `cemtool sweep` (or research/scripts/study.sh) started on the copy retrains them from
+scratch, to the same result: batches and initialisation are a pure function of the seed. Logs and selection.json
+files are copied as they are. DEST is replaced.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def copy_study(src: Path, dest: Path) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
-        print("usage: python scripts/light_copy.py SRC DEST", file=sys.stderr)
+        print("usage: python research/scripts/light_copy.py SRC DEST", file=sys.stderr)
         return 2
     src, dest = Path(argv[1]), Path(argv[2])
     studies = sorted(p.parent for p in src.rglob("study.json"))

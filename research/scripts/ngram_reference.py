@@ -1,11 +1,11 @@
 """N-gram references for a run's corpus: the validation cross-entropy (nats/token) of a unigram and a bigram model.
 
-    python scripts/ngram_reference.py RUN_DIR
+    python research/scripts/ngram_reference.py RUN_DIR
 
 The run's own config and tokenizer rebuild its corpus (the same split and token ids as its training). Each
 model counts the training tokens with add-k smoothing; k is chosen from K_GRID on a held-out tail of the training
 split (its last HOLDOUT share), then the counts of the whole training split are scored on the validation split.
-docs/findings.md uses it to say what a loss means on the pydoc text (a model that ends at the bigram's loss has
+research/docs/findings.md uses it to say what a loss means on the pydoc text (a model that ends at the bigram's loss has
 learned the previous token's statistics and little more)."""
 
 from __future__ import annotations
@@ -61,5 +61,5 @@ def main(run_dir: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/ngram_reference.py RUN_DIR")
+        sys.exit("usage: python research/scripts/ngram_reference.py RUN_DIR")
     main(sys.argv[1])

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The study behind docs/findings.md: a verdict for each of the 14 claims of the four papers, every architecture at
+# The study behind research/docs/findings.md: a verdict for each of the 14 claims of the four papers, every architecture at
 # its own tuned learning rate.
 #
-#   scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]      (default OUT runs/findings)
+#   research/scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]      (default OUT runs/findings)
 #
 #   grammar  the synthetic grammar corpus, 4 layers x 64 wide (~232k parameters), 512,000 tokens per run,
 #            AdamW; tuning seeds 100,101 over train.lr = 1e-3, 3e-3, 1e-2, 3e-2 (and 1e-1 for the momentum
@@ -17,14 +17,14 @@
 #            (at the end of lane 2: OUT/pydoc/saturation)
 #   saturation  claim 9: cemtool saturation sweep (45 one-layer models) on the built-in n-gram rule
 #   report   the comparisons and figures (cemtool compare / plot per paper) and the verdict table
-#            (python scripts/findings.py OUT -> OUT/findings.md) from whatever has finished
+#            (python research/scripts/findings.py OUT -> OUT/findings.md) from whatever has finished
 #   all      grammar, muon, pydoc, saturation, report
 #
 # Every part is a list of ordinary `cemtool sweep` studies: a tuning study (`--grid`, seeds 100 and 101) and a
 # comparison (`--tuned`, seeds disjoint from the tuning seeds) per group of architectures. The studies run in two
 # lanes side by side, one torch thread each (2 CPU cores). A sweep continues where it stopped, so rerunning the
 # same command after an interruption (or in a later session) finishes the study without redoing anything.
-# Measured wall time is written in docs/findings.md. --dry-run prints the runs each study would train.
+# Measured wall time is written in research/docs/findings.md. --dry-run prints the runs each study would train.
 #
 # Set CEMTOOL to run another cemtool executable (default: the one on PATH), and STUDY_JOBS=N to train N items of
 # each study at once (`cemtool sweep --jobs N`, one torch thread each: 2 lanes x N processes; the numbers are the
@@ -33,11 +33,11 @@
 # then copied into one OUT).
 set -euo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 CEMTOOL=${CEMTOOL:-cemtool}
 DRY=()
 if [ "${1:-}" = "--dry-run" ]; then DRY=(--dry-run); shift; fi
-PART=${1:?usage: scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]}
+PART=${1:?usage: research/scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]}
 OUT=${2:-runs/findings}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
@@ -47,7 +47,7 @@ case $LANE in both|1|2) ;; *) echo "Error: STUDY_LANE must be 1 or 2, got '$LANE
 lane() { [ "$LANE" = both ] || [ "$LANE" = "$1" ]; }  # lane N: whether this invocation runs lane N
 
 TUNE_SEEDS=100,101
-LR_GRID=train.lr=1e-3,3e-3,1e-2,3e-2  # (the runs of docs/findings.md were tuned over part of it first, then extended)
+LR_GRID=train.lr=1e-3,3e-3,1e-2,3e-2  # (the runs of research/docs/findings.md were tuned over part of it first, then extended)
 MOMENTUM_GRID=$LR_GRID,1e-1  # ortho and shampoo chose 3e-2, LR_GRID's edge, on the grammar corpus; the pydoc part
 # extends it to 3e-1 (see there); the baselines they are compared with chose 3e-3, inside LR_GRID
 MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and tmm chose 0.04, the old edge: the
@@ -134,7 +134,7 @@ grammar() {
   WIDE=(--set model.mlp_hidden=224)  # 269,056 parameters vs tmm's 267,744 (its learned stream embeddings)
   CEM_SIZE=(--set model.d_model=48 --set model.mlp_hidden=152)  # cemtool archs --match-params cem: +0.9%
   FLOP_TOKENS=522240  # LIMe 1.614e6 vs 1.586e6 FLOPs/token (x1.0174): 255 steps instead of 250, the fewest that
-  # give the baseline at least LIMe's training FLOPs (tests/test_study_sizes.py checks every size of this file)
+  # give the baseline at least LIMe's training FLOPs (research/tests/test_study_sizes.py checks every size of this file)
   LOWRANK_75="[16,16,10,6]"  # the early layers as uniform (d_h 16), the late ones low-rank: 192 of 256
   DEPTH12=(--set model.n_layer=12 --set model.d_model=36 --set model.n_head=2
            --set model.mlp_hidden=106)  # 200,484 non-embedding parameters vs 201,280 at depth 4
@@ -210,10 +210,10 @@ saturation() {  # saturation OUTDIR SEEDS [DATA OPTIONS...]: claim 9's sweep (th
   fi
 }
 
-# the comparisons and figures of docs/findings.md, and its verdict table (STUDY/findings.md), from what has finished
+# the comparisons and figures of research/docs/findings.md, and its verdict table (STUDY/findings.md), from what has finished
 report() {  # report PARTDIR
   local o=$1 g=()
-  if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: cemtool compare / plot per paper, scripts/findings.py"; return; fi
+  if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: cemtool compare / plot per paper, research/scripts/findings.py"; return; fi
   compare_plot() {  # compare_plot NAME STUDY...
     local name=$1 dirs=(); shift
     for d in "$@"; do [ -f "$o/$d/study.json" ] && dirs+=("$o/$d"); done
@@ -225,7 +225,7 @@ report() {  # report PARTDIR
   compare_plot momentum core momentum baseline-wide lane1 lane2
   compare_plot allocation core early-heavy late-lowrank late-lowrank-75
   compare_plot lime core baseline-lime-flops depth12
-  python3 scripts/findings.py "$(dirname "$o")" > /dev/null
+  python3 research/scripts/findings.py "$(dirname "$o")" > /dev/null
 }
 
 start=$(date +%s)

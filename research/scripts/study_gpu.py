@@ -1,6 +1,6 @@
-"""The findings study (scripts/study.sh's grammar and muon parts) at GPU scale, on a corpus of token files.
+"""The findings study (research/scripts/study.sh's grammar and muon parts) at GPU scale, on a corpus of token files.
 
-    scripts/study_gpu.sh --data PATH [--size 25m|125m] [--gpus K] [--out DIR] [--tokens N] [--to PATH]
+    research/scripts/study_gpu.sh --data PATH [--size 25m|125m] [--gpus K] [--out DIR] [--tokens N] [--to PATH]
                          [--set key=value ...] [--device auto|cpu|cuda] [--yes] [--estimate-only] [--tiny]
 
 The same groups as study.sh, as ordinary `cemtool sweep` studies (a tuning study on seeds 100,101 over a learning
@@ -9,7 +9,7 @@ study before its comparisons). K lanes run side by side, one per GPU (CUDA_VISIB
 one CPU thread each; a lane that finishes a chain takes the next longest one. Before anything trains, every
 architecture (at each size the groups use) trains a few steps on the real device, and the measured tokens/s gives
 the time estimate table; then it asks (unless --yes). Rerunning the same command continues where it stopped:
-completed runs, probes and reports are skipped. See docs/study_gpu.md.
+completed runs, probes and reports are skipped. See research/docs/study_gpu.md.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CEM = ["cem", "cem-rec2", "cem-precond", "cem-dplr", "cem-full"]
 TUNE_SEEDS = [100, 101]
 MUON_GRID = "train.muon_lr=0.01,0.02,0.04"
 BATCH_KEYS = {"train.batch_size": "batch_size", "train.grad_accum": "grad_accum", "data.seq_len": "seq_len"}
-TUNE_FRACTION = 10  # tuning runs train on 1/10 of the comparison's tokens (docs/study_gpu.md says why)
+TUNE_FRACTION = 10  # tuning runs train on 1/10 of the comparison's tokens (research/docs/study_gpu.md says why)
 
 
 @dataclass(frozen=True)
@@ -299,7 +299,7 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
             inside = sum(i["seconds"] + sum(a["seconds"] for a in i["analyses"].values()) for i in manifest["items"])
             overhead += [max(0.0, time.perf_counter() - t0 - scan_s - inside) / len(manifest["items"])]
         failed = [i for i in manifest["items"] if i["status"] != "completed"]
-        if failed:  # e.g. out of memory: lower train.batch_size and raise train.grad_accum (docs/study_gpu.md)
+        if failed:  # e.g. out of memory: lower train.batch_size and raise train.grad_accum (research/docs/study_gpu.md)
             sys.exit(f"Error: the probe run {out / 'estimate' / name / failed[0]['run']} failed: {failed[0]['error']}")
         for item in manifest["items"]:
             r = steady_rate(out / "estimate" / name / item["run"])
@@ -502,7 +502,7 @@ def data_vocab(data: str, data_sets: list[str]) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="scripts/study_gpu.sh", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="research/scripts/study_gpu.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", help="token files: a .bin/.npy file or a folder with train.bin (and val.bin); "
                                   "with --tiny default: a grammar corpus written under OUT/data")
     p.add_argument("--to", help="forgetting target: token files of the same tokenizer (grammar-b's with --tiny)")

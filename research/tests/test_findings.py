@@ -1,4 +1,4 @@
-"""scripts/findings.py: its intervals against scipy, its decision rules, and its table against an independent
+"""research/scripts/findings.py: its intervals against scipy, its decision rules, and its table against an independent
 recomputation from the runs' own records (sample_runs/findings, the study's light outputs in the repository)."""
 
 import importlib.util
@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from scipy import stats
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "sample_runs" / "findings"
+SCRIPTS = ROOT / "research" / "scripts"
 
 
 def load(name: str = "findings"):
     """A script of scripts/ as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -84,8 +85,8 @@ def table(tmp_path_factory):
     if not (SAMPLE / "grammar" / "cem" / "study.json").exists():
         pytest.skip("sample_runs/findings is not in this checkout")
     root = tmp_path_factory.mktemp("findings") / "sample_runs" / "findings"  # so that the commands it prints
-    shutil.copytree(SAMPLE, root)  # name sample_runs/findings/..., as docs/findings.md does
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "findings.py"), "sample_runs/findings"],
+    shutil.copytree(SAMPLE, root)  # name sample_runs/findings/..., as research/docs/findings.md does
+    res = subprocess.run([sys.executable, str(SCRIPTS / "findings.py"), "sample_runs/findings"],
                          capture_output=True, text=True, timeout=300, cwd=root.parents[1])
     assert res.returncode == 0, res.stderr
     return root, json.loads((root / "findings.json").read_text())
@@ -200,17 +201,18 @@ def test_agreement_compares_verdicts_without_their_reasons():
 
 
 def test_docs_findings_is_what_the_sample_runs_say(table):
-    """Every generated block of docs/findings.md (the verdict tables, details, learning rates, compute and wall
-    time) equals what scripts/findings.py computes now from sample_runs/findings: the document cannot cite numbers
-    its runs do not give."""
-    spec = importlib.util.spec_from_file_location("findings_doc", ROOT / "scripts" / "findings_doc.py")
+    """Every generated block of research/docs/findings.md (the verdict tables, details, learning rates, compute and
+    wall time) equals what research/scripts/findings.py computes now from sample_runs/findings: the document cannot
+    cite numbers its runs do not give."""
+    spec = importlib.util.spec_from_file_location("findings_doc", SCRIPTS / "findings_doc.py")
     doc_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(doc_mod)
     root, _ = table
-    doc = (ROOT / "docs" / "findings.md").read_text(encoding="utf-8")
+    doc = (ROOT / "research" / "docs" / "findings.md").read_text(encoding="utf-8")
     regenerated = doc_mod.fill(doc, (root / "findings.md").read_text(encoding="utf-8"))
-    assert regenerated == doc, "docs/findings.md differs from sample_runs/findings: run scripts/findings.py " \
-                               "sample_runs/findings, then scripts/findings_doc.py"
+    assert regenerated == doc, "research/docs/findings.md differs from sample_runs/findings: run " \
+                               "research/scripts/findings.py sample_runs/findings, then " \
+                               "research/scripts/findings_doc.py"
 
 
 def test_claim9_row_equals_a_recomputation_from_the_saturation_csv(table):
@@ -274,9 +276,9 @@ def test_claim8_waits_for_the_momentum_models():
 
 
 def test_ngram_reference_against_closed_forms():
-    """scripts/ngram_reference.py: on a text that cycles through 10 tokens, the unigram's loss is log 10 and the
-    bigram's (which knows the next token from the previous) is near 0; on i.i.d. tokens the bigram's add-k choice
-    falls back to the unigram's loss. k is chosen on the training split only."""
+    """research/scripts/ngram_reference.py: on a text that cycles through 10 tokens, the unigram's loss is log 10 and
+    the bigram's (which knows the next token from the previous) is near 0; on i.i.d. tokens the bigram's add-k
+    choice falls back to the unigram's loss. k is chosen on the training split only."""
     mod = load("ngram_reference")
     cycle = np.tile(np.arange(10), 500)
     ref = mod.reference(cycle, cycle[:300], vocab=16)

@@ -1,5 +1,5 @@
-"""scripts/light_copy.py: a study copied without checkpoints continues where it stopped, retraining only what was
-cut short, to the same numbers as an uninterrupted study."""
+"""research/scripts/light_copy.py: a study copied without checkpoints continues where it stopped, retraining only what
+was cut short, to the same numbers as an uninterrupted study."""
 
 import importlib.util
 import json
@@ -15,7 +15,7 @@ TOKENS = 30 * 8 * 16
 
 
 def light_copy():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "light_copy.py"
+    path = Path(__file__).resolve().parents[1] / "scripts" / "light_copy.py"  # research/scripts
     spec = importlib.util.spec_from_file_location("light_copy", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -1,5 +1,5 @@
-"""scripts/study_gpu.sh end to end with --tiny on the CPU: the estimate, the studies, the tuning/comparison split,
-resuming, and the refusals."""
+"""research/scripts/study_gpu.sh end to end with --tiny on the CPU: the estimate, the studies, the tuning/comparison
+split, resuming, and the refusals."""
 
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ["bash", str(ROOT / "scripts" / "study_gpu.sh")]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "research" / "scripts"
+SCRIPT = ["bash", str(SCRIPTS / "study_gpu.sh")]
 
 
 def study_gpu():
-    spec = importlib.util.spec_from_file_location("study_gpu", ROOT / "scripts" / "study_gpu.py")
+    spec = importlib.util.spec_from_file_location("study_gpu", SCRIPTS / "study_gpu.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("study_gpu", mod)  # dataclasses look their module up there
     spec.loader.exec_module(mod)

@@ -1,6 +1,6 @@
-"""scripts/study.sh's matched sizes, recomputed from the models: the baseline widened to tmm's parameters, shrunk
-to cem's, trained to LIMe's FLOPs, at 12 layers, and late-lowrank at 75% of the attention budget, for each corpus.
-The sizes are written into the script as numbers; a wrong one (the pydoc part's were once computed at another
+"""research/scripts/study.sh's matched sizes, recomputed from the models: the baseline widened to tmm's parameters,
+shrunk to cem's, trained to LIMe's FLOPs, at 12 layers, and late-lowrank at 75% of the attention budget, for each
+corpus. The sizes are written into the script as numbers; a wrong one (the pydoc part's were once computed at another
 vocabulary) would compare groups that are not matched."""
 
 import re
@@ -12,7 +12,7 @@ import pytest
 from cemtool.analysis.compute import arch_row
 from cemtool.data.grammar import default_grammar
 
-SCRIPT = (Path(__file__).resolve().parents[1] / "scripts" / "study.sh").read_text(encoding="utf-8")
+SCRIPT = (Path(__file__).resolve().parents[1] / "scripts" / "study.sh").read_text(encoding="utf-8")  # research/scripts
 
 
 def part(name: str) -> dict:
