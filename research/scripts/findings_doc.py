@@ -18,6 +18,8 @@ import re
 import sys
 from pathlib import Path
 
+FINDINGS = Path("sample_runs") / "findings"  # the study's light outputs, from the repository root
+DOC = Path("research") / "docs" / "findings.md"
 TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learning rate, 5 comparison seeds (printed "
                "by `python research/scripts/findings.py runs/findings`; the command behind each row is under "
                "\"Details\"):")
@@ -80,8 +82,8 @@ def fill(doc: str, generated: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    gen = Path(argv[1] if len(argv) > 1 else "sample_runs/findings/findings.md")
-    doc = Path(argv[2] if len(argv) > 2 else "research/docs/findings.md")
+    gen = Path(argv[1]) if len(argv) > 1 else FINDINGS / "findings.md"
+    doc = Path(argv[2]) if len(argv) > 2 else DOC
     try:
         new = fill(doc.read_text(encoding="utf-8"), gen.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:

@@ -13,8 +13,10 @@ import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "sample_runs" / "findings"
+FINDINGS = Path("sample_runs") / "findings"  # the study's light outputs, relative to the repository
+SAMPLE = ROOT / FINDINGS
 SCRIPTS = ROOT / "research" / "scripts"
+SATURATION = ROOT / "sample_runs" / "study-saturation"  # the first study's saturation sweep
 
 
 def load(name: str = "findings"):
@@ -83,11 +85,12 @@ def test_direction_rules(lo, hi, below, verdict):
 @pytest.fixture(scope="module")
 def table(tmp_path_factory):
     if not (SAMPLE / "grammar" / "cem" / "study.json").exists():
-        pytest.skip("sample_runs/findings is not in this checkout")
-    root = tmp_path_factory.mktemp("findings") / "sample_runs" / "findings"  # so that the commands it prints
-    shutil.copytree(SAMPLE, root)  # name sample_runs/findings/..., as research/docs/findings.md does
-    res = subprocess.run([sys.executable, str(SCRIPTS / "findings.py"), "sample_runs/findings"],
-                         capture_output=True, text=True, timeout=300, cwd=root.parents[1])
+        pytest.skip(f"{FINDINGS} is not in this checkout")
+    top = tmp_path_factory.mktemp("findings")
+    root = top / FINDINGS  # so that the commands it prints name FINDINGS/..., as research/docs/findings.md does
+    shutil.copytree(SAMPLE, root)
+    res = subprocess.run([sys.executable, str(SCRIPTS / "findings.py"), str(FINDINGS)],
+                         capture_output=True, text=True, timeout=300, cwd=top)
     assert res.returncode == 0, res.stderr
     return root, json.loads((root / "findings.json").read_text())
 
@@ -210,16 +213,15 @@ def test_docs_findings_is_what_the_sample_runs_say(table):
     root, _ = table
     doc = (ROOT / "research" / "docs" / "findings.md").read_text(encoding="utf-8")
     regenerated = doc_mod.fill(doc, (root / "findings.md").read_text(encoding="utf-8"))
-    assert regenerated == doc, "research/docs/findings.md differs from sample_runs/findings: run " \
-                               "research/scripts/findings.py sample_runs/findings, then " \
-                               "research/scripts/findings_doc.py"
+    assert regenerated == doc, f"research/docs/findings.md differs from {FINDINGS}: run " \
+                               f"research/scripts/findings.py {FINDINGS}, then research/scripts/findings_doc.py"
 
 
 def test_claim9_row_equals_a_recomputation_from_the_saturation_csv(table):
     """The fall of the returns of d_h at the longest T, per seed, from the sweep's own CSV (not its JSON)."""
     import pandas as pd
 
-    sat = ROOT / "sample_runs" / "study-saturation" / "reports" / "saturation_sweep.csv"
+    sat = SATURATION / "reports" / "saturation_sweep.csv"
     if not sat.exists():
         pytest.skip("sample_runs/study-saturation is not in this checkout")
     df = pd.read_csv(sat).pivot_table(index=["seq_len", "seed"], columns="head_dim", values="val_loss")
@@ -235,7 +237,7 @@ def test_claim9_row_equals_a_recomputation_from_the_saturation_csv(table):
 
 def test_each_part_takes_claim9_from_its_own_saturation_sweep(tmp_path):
     """The pydoc part's claim 9 is the sweep on its own text, never the grammar part's (n-gram) sweep."""
-    src = ROOT / "sample_runs" / "study-saturation"
+    src = SATURATION
     if not (src / "reports" / "saturation_sweep.json").exists():
         pytest.skip("sample_runs/study-saturation is not in this checkout")
     shutil.copytree(src, tmp_path / "saturation")
