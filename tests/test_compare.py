@@ -337,7 +337,7 @@ def test_bad_input_one_line(study, tmp_path):
 @pytest.fixture
 def no_compute(monkeypatch):
     """Parameters and FLOPs are not under test here: skip building the models (seconds on a shared CPU)."""
-    import cemtool.analysis.compare as mod
+    import cemtool.analysis.run_records as mod  # collect() calls it there
 
     monkeypatch.setattr(mod, "run_compute", lambda cfg: {"params": 1000, "non_embedding": 800,
                                                          "flops_per_token": 6000, "flops_forward_per_token": 2000})
