@@ -77,6 +77,9 @@ if __name__ == "__main__":
     out = measure(die=os.environ.get("DIE_RANK") == os.environ["RANK"])
     with open(sys.argv[1] + f".rank{os.environ['RANK']}.json", "w") as f:
         json.dump(out, f)
+    from cemtool.distributed import exit_process
+
+    exit_process(0)  # as a command does: gloo's threads can abort the interpreter's teardown (distributed.py)
 '''
 
 

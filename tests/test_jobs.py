@@ -128,7 +128,8 @@ def test_a_registered_analysis_in_two_processes_equals_one(toy, tiny_run, tmp_pa
     shutil.copytree(tiny_run, two)
     jobs.run_job(one, "toy", {"x": 2}, device="cpu")
     script = tmp_path / "worker.py"
-    script.write_text(TOY + f"\njobs.run_job({str(two)!r}, 'toy', {{'x': 2}}, device='cpu')\n")
+    script.write_text(TOY + f"\njobs.run_job({str(two)!r}, 'toy', {{'x': 2}}, device='cpu')\n"
+                      "from cemtool.distributed import exit_process\nexit_process(0)\n")  # as a command leaves
     port, procs = str(_free_port()), []
     for rank in range(2):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
