@@ -188,11 +188,7 @@ def sharpness(
         given.update({k: v for k, v in QUICK.items() if not _given(ctx, k)})
     if given["tokens"] <= 0:  # the option's own name (sharpness.Options says tokens)
         raise UsageError(f"--tokens must be positive, got {given['tokens']}", hint="the loss is a mean over tokens")
-    if per_layer and params != "all":
-        raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
-                                 param_hint="--per-layer")
-    if per_layer and backend != "cemtool":
-        raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
+    _check_per_layer_usage(per_layer, params, backend)
     opts = _options(  # validated before anything is loaded
         **{k: v for k, v in given.items() if k not in ("slice_points", "slice_points_2d")},
         params=params, dtype=dtype, batch_size=batch_size, tol=tol, per_layer=per_layer,
@@ -237,6 +233,14 @@ def sharpness(
                    + (f"  figures: {', '.join(str(p) for p in figures if p.suffix == '.png')}" if figures else ""))
     for note in rep.notes:
         console.result(f"note: {note}")
+
+
+def _check_per_layer_usage(per_layer: bool, params: str, backend: str) -> None:
+    if per_layer and params != "all":
+        raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
+                                 param_hint="--per-layer")
+    if per_layer and backend != "cemtool":
+        raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
 
 
 def _print_per_layer(res, seconds: float) -> None:

@@ -111,6 +111,29 @@ def print_plan(manifest: dict, path: Path) -> None:
     console.result(f"dry run: {len(rows)} runs planned in {path}; nothing trained")
 
 
+def _plan(archs, seeds, tokens, data, set_, analyses, to, option, grid, tuned, json_: bool):
+    """The study plan from the command line: -A options parsed, a tuned plan read from its tuning study."""
+    from cemtool.config import merge, parse_override  # start-up: the sweep modules load torch
+    from cemtool.sweep import make_plan, plan_from_tuning
+
+    options: dict = {}
+    for item in option or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise UsageError(f"--analysis-option {item!r} is not of the form analysis.key=value")
+        options = merge(options, parse_override(item))
+    if tuned is None:
+        return make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data or "grammar",
+                         overrides=set_ or [], analyses=analyses, target=to, options=options, grid=grid or [])
+    # tokens, data and --set default to the tuning study's
+    plan, selection, notes = plan_from_tuning(tuned, seeds, archs=archs, tokens=tokens, data=data, overrides=set_,
+                                              analyses=analyses, target=to, options=options)
+    if not json_:
+        print_selection(selection, tuned, plan.archs)
+    for note in notes:
+        console.info(f"Note: {note}")
+    return plan
+
+
 @app.command()
 @guarded
 def sweep(
@@ -159,16 +182,7 @@ def sweep(
     runs and existing reports are skipped, unfinished runs resume from their last checkpoint.
     Tuning: a --grid study on tuning seeds, then --tuned DIR on other seeds trains each architecture at its best
     grid point."""
-    from cemtool.config import merge, parse_override
-    from cemtool.sweep import (
-        check_new_study_dir,
-        make_plan,
-        new_manifest,
-        open_study,
-        plan_from_tuning,
-        plan_notes,
-        run_sweep,
-    )
+    from cemtool.sweep import check_new_study_dir, new_manifest, open_study, plan_notes, run_sweep  # start-up: torch
 
     if resume is not None:
         if archs or seeds or tokens or set_ or analyses or to or option or out or grid or tuned or dry_run \
@@ -187,22 +201,7 @@ def sweep(
             raise typer.BadParameter("give the architectures, e.g. --archs baseline,tmm,lime", param_hint="--archs")
         if out is None:
             raise typer.BadParameter("give the study directory, e.g. --out runs/study", param_hint="--out")
-        options: dict = {}
-        for item in option or []:
-            if "=" not in item or "." not in item.split("=", 1)[0]:
-                raise UsageError(f"--analysis-option {item!r} is not of the form analysis.key=value")
-            options = merge(options, parse_override(item))
-        if tuned is not None:  # tokens, data and --set default to the tuning study's
-            plan, selection, notes = plan_from_tuning(tuned, seeds, archs=archs, tokens=tokens,
-                                                      data=data, overrides=set_,
-                                                      analyses=analyses, target=to, options=options)
-            if not json_:
-                print_selection(selection, tuned, plan.archs)
-            for note in notes:
-                console.info(f"Note: {note}")
-        else:
-            plan = make_plan(archs, "0" if seeds is None else seeds, tokens=tokens, data=data or "grammar",
-                             overrides=set_ or [], analyses=analyses, target=to, options=options, grid=grid or [])
+        plan = _plan(archs, seeds, tokens, data, set_, analyses, to, option, grid, tuned, json_)
         for note in plan_notes(plan):
             console.info(f"Note: {note}")
         path = out
@@ -217,7 +216,7 @@ def sweep(
             else:
                 print_plan(new_manifest(plan), path)
             return
-    from cemtool.train import pick_device
+    from cemtool.train import pick_device  # start-up: torch
 
     pick_device(device)  # an unavailable device is refused before the study folder is made
     with SweepReporter(quiet) as rep:
