@@ -10,6 +10,7 @@ one-line :class:`CemtoolError` instead of hanging.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import sys
@@ -96,8 +97,6 @@ def exit_process(code: object) -> None:
         except (OSError, ValueError):  # a closed or broken pipe: nothing more can be said there
             pass
     try:  # C's stdio buffers too (a library's own log lines on a piped stdout)
-        import ctypes
-
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):
         pass

@@ -6,6 +6,8 @@ Anything else is a bug and, with CEMTOOL_DEBUG=1, shows its traceback.
 
 from __future__ import annotations
 
+import difflib
+
 
 class CemtoolError(Exception):
     """A user-facing error: bad input, a missing or corrupt file, an impossible configuration."""
@@ -31,8 +33,6 @@ class UsageError(CemtoolError):
 def did_you_mean(word: str, choices: list[str] | tuple[str, ...] | set[str] | dict) -> str | None:
     """``"did you mean 'tmm'?"`` for the choice closest to a mistyped ``word`` (``difflib``: ratio >= 0.6), else
     None. The one spelling suggestion of cemtool: architectures, config keys, data sources, report names."""
-    import difflib
-
     close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}?" if close else None
 

@@ -26,6 +26,11 @@ from typing import Any
 
 from cemtool.errors import CemtoolError
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 MAX_FILE_BYTES = 256 << 20  # a JSON/TOML file read whole (a large tokenizer.json is tens of MiB)
 MAX_LINE_BYTES = 1 << 20  # one line of a .jsonl file
 MAX_DEPTH = 100  # nesting of [] and {} in a parsed file (cemtool's own files nest less than 20)
@@ -122,6 +127,7 @@ _CHUNK = 1 << 22
 
 
 def _numpy_nesting(brackets: bytes) -> int:
+    # start-up: numpy (about 45 ms) loads only for a file with very many brackets (config loads this module)
     import numpy as np
 
     delta, ids = np.array(_DELTA, dtype=np.int8), np.frombuffer(brackets, np.uint8)
@@ -150,11 +156,6 @@ def loads_json(data: str | bytes) -> Any:
 
 def loads_toml(text: str) -> Any:
     """tomllib.loads with the same depth bound (arrays and inline tables; tomllib recurses into them)."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
-
     _check_depth(text.encode("utf-8", "surrogatepass"), _toml_outside_strings)
     try:
         return tomllib.loads(text)

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cemtool.config import uniform_head_dim
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json
 from cemtool.provenance import now, versions
+from cemtool.threads import threads_info
 from cemtool.writes import atomic_write_json, atomic_write_text, safe_name
 
 
@@ -29,8 +31,6 @@ def provenance(run_path: str | Path | None = None, *, seed: int | None = None, c
     """Where a report came from: the run, its checkpoint and step, the seed, versions and time, the CPU threads it
     was measured with (``cpu``: :func:`cemtool.threads.threads_info`); for a model cemtool did not train, what was
     loaded and the check of its logits (``model_source.json``, cemtool.subject.hf)."""
-    from cemtool.threads import threads_info
-
     out = {"run": None if run_path is None else str(run_path), "checkpoint": checkpoint, "step": step,
            "seed": seed, "versions": versions(), "created": now(), "cpu": threads_info()}
     source = Path(run_path) / "model_source.json" if run_path is not None else None
@@ -257,10 +257,10 @@ def _shown(name: str, settings: dict) -> Any:
     if v != 0 or not isinstance(d, int):
         return v
     if name == "model.mlp_hidden":
+        # start-up: torch (about 1 s) loads only here; `cemtool plot` labels figures with this module
         from cemtool.models.layers import mlp_hidden
         return f"{mlp_hidden(d, settings.get('model.mlp', 'swiglu'), 0)}(auto)"
     if name == "model.head_dim" and isinstance(settings.get("model.n_head"), int):
-        from cemtool.config import uniform_head_dim
         return f"{uniform_head_dim(d, settings['model.n_head'])}(auto)"
     return v
 

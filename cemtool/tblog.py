@@ -47,10 +47,10 @@ def row_scalars(row: dict) -> dict[str, float]:
 
 def _tensorboard():
     """The tensorboard package's event protobufs and record writer, or one line naming the extra."""
-    try:
+    try:  # optional dependency: tensorboard (the extra cemtool[tensorboard])
         from tensorboard.compat.proto.event_pb2 import Event
-        from tensorboard.compat.proto.summary_pb2 import Summary
-        from tensorboard.summary.writer.record_writer import RecordWriter
+        from tensorboard.compat.proto.summary_pb2 import Summary  # optional dependency: tensorboard
+        from tensorboard.summary.writer.record_writer import RecordWriter  # optional dependency: tensorboard
     except ImportError:
         raise CemtoolError("train.log_to=tensorboard needs the tensorboard package, which is not installed",
                            hint="pip install 'cemtool[tensorboard]' (or set train.log_to=none)") from None
