@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import time as _time
+from pathlib import Path
 
 import torch
 
 from cemtool.config import RunConfig, replace, resolve
+from cemtool.errors import ConfigError
+from cemtool.layout import is_run
 from cemtool.models.allocation import attention_budget, describe_allocation
 from cemtool.models.layers import mlp_hidden
 from cemtool.models.lm import flops_per_token, lm_loss
 from cemtool.models.registry import archs, build_model
+from cemtool.runs import open_run
 
 
 def sized_config(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> RunConfig:
@@ -59,8 +63,6 @@ def arch_table(overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int
     """One row per architecture. Listing every architecture, one that the overrides make impossible (e.g. LIMe's
     router under per-layer head sizes) gets {"arch", "family", "error"} instead of failing the whole table; named
     ones (``only``) and a table where none can be built raise."""
-    from cemtool.errors import ConfigError
-
     names = only or sorted(archs(), key=lambda n: (archs()[n].family, n))
     rows = []
     for n in names:
@@ -75,11 +77,6 @@ def arch_table(overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int
 
 def target_size(ref: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> dict:
     """Parameters and FLOPs/token of a reference: an architecture name (at the given size) or a run directory."""
-    from pathlib import Path
-
-    from cemtool.layout import is_run
-    from cemtool.runs import open_run
-
     if is_run(Path(ref)):
         cfg = open_run(ref).config()
         torch.manual_seed(0)

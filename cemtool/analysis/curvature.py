@@ -26,6 +26,7 @@ neither the weights, nor the optimizer state, nor any RNG.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,10 @@ import torch
 from torch import nn
 
 from cemtool.analysis.hessian import Objective, lanczos, select_parameters, xtrace
+from cemtool.data.corpus import windows
+from cemtool.distributed import shard
 from cemtool.errors import CemtoolError
+from cemtool.models.registry import get_arch
 
 TOL = 1e-4  # relative eigenvalue error estimate at which λ_max counts as converged (as `cemtool sharpness`)
 STATE_KEYS = ("curvature.v", "curvature.v_precond")  # warm-start vectors in a checkpoint (runs.save_checkpoint extra)
@@ -197,9 +201,6 @@ def tracker_for(cfg, corpus, model: nn.Module) -> CurvatureTracker:
     """The tracker a run config's ``train.curvature_*`` settings describe, on the first validation windows of
     ``corpus`` covering ``train.curvature_tokens`` (those ``cemtool sharpness --tokens N`` takes), its subset
     checked against ``model`` (a one-line error before any training step)."""
-    from cemtool.data.corpus import windows
-    from cemtool.distributed import shard
-
     t, T = cfg.train, cfg.data.seq_len
     x, y = windows(corpus.val, corpus.eval_windows(T, t.curvature_tokens), T)  # (S, T) each
     shard(len(x), f"curvature windows of {T} tokens (train.curvature_tokens={t.curvature_tokens})")  # K ranks: K+
@@ -213,10 +214,6 @@ def check_run_config(cfg) -> None:
     """At config time (before any run directory exists): the subset must match parameters of the configured
     model (built on the meta device, which allocates nothing), and under torchrun (WORLD_SIZE) every rank needs
     at least one window of the batch."""
-    import os
-
-    from cemtool.models.registry import get_arch
-
     t = cfg.train
     if not t.curvature_every:
         return
