@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter
@@ -176,8 +177,6 @@ def plot_routing(run: dict, plots_dir: str | Path, name: str) -> list[Path]:
     """A LIMe run's routers: one heatmap per layer on one shared colour scale (top); below, the share of |weight|
     per source layer, the expected retrieved layer (a layer index) and the mean self-retrieval (a weight), each on
     its own axes."""
-    import matplotlib.pyplot as plt
-
     routing = run["routing"]
     layers = routing["layers"]
     n = len(layers)
@@ -238,10 +237,6 @@ def greek(name: str) -> str:
 def plot_streams(runs: dict | list[dict], plots_dir: str | Path, name: str) -> list[Path]:
     """The learned scalars of momentum runs per layer, one panel per scalar: colour = architecture, line style =
     run (seed), marker = substep (filled circle: attention; open square: MLP). One figure for all the runs."""
-    from matplotlib.lines import Line2D
-
-    from cemtool.plots.training import SEED_STYLES
-
     runs = [runs] if isinstance(runs, dict) else list(runs)
     keys = sorted({k for run in runs for r in run["stream_scalars"] for k in r if k not in ("layer", "substep")})
     fig, axes = new_figure(3.0 * max(1, len(keys)), 3.6 + 0.2 * len(runs), ncols=max(1, len(keys)))

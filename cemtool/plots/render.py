@@ -22,7 +22,23 @@ from pathlib import Path
 
 from cemtool.errors import CemtoolError
 from cemtool.layout import is_hf_dir, is_run
-from cemtool.plots.training import distinguishable, plot_training, read_json, read_run
+from cemtool.plots.collapse import plot_collapse
+from cemtool.plots.compare import layer_of, plot_compare, plot_forgetting, plot_layer_eigenvalues
+from cemtool.plots.curvature import plot_curvature
+from cemtool.plots.report_md import section_writer, study_section, write_collection_report, write_run_report
+from cemtool.plots.saturation import plot_logits, plot_sweep, plot_truncation
+from cemtool.plots.sharpness import plot_sharpness
+from cemtool.plots.style import save
+from cemtool.plots.training import (
+    SEED_STYLES,
+    distinguishable,
+    group_runs,
+    label_runs,
+    plot_training,
+    read_json,
+    read_run,
+    training_groups_figure,
+)
 from cemtool.report import mismatch_text, mismatched_settings, named_reports, report_kind, report_options
 
 Plotter = Callable[[dict, Path, str], list[Path]]
@@ -32,45 +48,31 @@ Plotter = Callable[[dict, Path, str], list[Path]]
 
 
 def _collapse(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.collapse import plot_collapse
-
     return plot_collapse(report, plots, stem)
 
 
 def _saturation(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.saturation import plot_logits, plot_truncation
-
     return plot_truncation(report, plots, stem) + plot_logits(report, plots, stem)
 
 
 def _saturation_sweep(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.saturation import plot_sweep
-
     return plot_sweep(report, plots, stem)
 
 
 def _sharpness(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.compare import layer_of
-
     if (report.get("provenance") or {}).get("backend") == "pyhessian":
         return []  # PyHessian's cross-check: numbers only
     if layer_of(report) is not None and not report.get("density") and not report.get("slice_1d") \
             and not report.get("slice_2d"):
         return []  # only eigenvalues: drawn with the other layers' in the eigenvalues-per-layer figure
-    from cemtool.plots.sharpness import plot_sharpness
-
     return plot_sharpness(report, plots, prefix=stem)
 
 
 def _forgetting(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.compare import plot_forgetting
-
     return plot_forgetting([report], plots, stem)
 
 
 def _compare(report: dict, plots: Path, stem: str) -> list[Path]:
-    from cemtool.plots.compare import plot_compare
-
     return plot_compare(report, plots, stem)
 
 
@@ -142,8 +144,6 @@ def _pngs(paths: list[Path]) -> list[Path]:
 
 def _plot_reports(paths: list[Path], plots: Path, figures: dict, problems: list[str]) -> dict:
     """Draw each report's figures; return stem -> (path, content, or None when unusable)."""
-    from cemtool.plots.report_md import section_writer
-
     reports: dict[str, tuple[Path, dict | None]] = {}
     for path in paths:
         stem = path.stem
@@ -174,9 +174,6 @@ def _plot_reports(paths: list[Path], plots: Path, figures: dict, problems: list[
 
 def _layer_entries(runs: list[Path]) -> tuple[list[dict], list[Path]]:
     """Per run, its ``sharpness --params layer:N`` reports (for the eigenvalues-per-layer figure)."""
-    from cemtool.plots.compare import layer_of
-    from cemtool.plots.training import label_runs
-
     curves = label_runs([read_run(r) for r in runs])
     entries, sources = [], []
     for c in curves:
@@ -192,8 +189,6 @@ def _layer_entries(runs: list[Path]) -> tuple[list[dict], list[Path]]:
 
 
 def _layers(runs: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str]) -> None:
-    from cemtool.plots.compare import plot_layer_eigenvalues
-
     entries, sources = _layer_entries(runs)
     if not entries:
         return
@@ -210,8 +205,6 @@ def _layers(runs: list[Path], plots: Path, figures: dict, reports: dict, problem
 
 def render_run(run: str | Path, problems: list[str] | None = None) -> list[Path]:
     """Figures (PNG + SVG) and report.md of one run. Returns the PNGs and the report.md written."""
-    from cemtool.plots.report_md import write_run_report
-
     run = Path(run)
     read_run(run)  # a clear error if this is not a run or its JSON is corrupt
     problems = [] if problems is None else problems
@@ -220,8 +213,6 @@ def render_run(run: str | Path, problems: list[str] | None = None) -> list[Path]
     figures: dict[str, list[Path]] = {}
     notes = []
     if _has_metrics(run):
-        from cemtool.plots.curvature import plot_curvature
-
         # plot_curvature: [] unless the run was trained with train.curvature_every
         figures["training"] = _pngs(plot_training([run], plots)) + _pngs(plot_curvature(run, plots))
     else:
@@ -238,8 +229,6 @@ MAX_OVERLAID = 12  # at most this many runs are drawn on one pair of axes in the
 
 def _forgetting_all(finetunes: list[Path], plots: Path, figures: dict, reports: dict, problems: list[str],
                     notes: list[str]) -> None:
-    from cemtool.plots.compare import plot_forgetting
-
     found = [(p / "reports" / "forgetting.json") for p in finetunes]
     found = [p for p in found if p.exists()]
     reps = []
@@ -305,9 +294,6 @@ def _collapse_all(runs: list[Path], plots: Path, figures: dict, reports: dict, p
 def _training_groups(curves: list, plots: Path, figures: dict, reports: dict, notes: list[str]) -> None:
     """Validation curves averaged over seeds per group, when some group has several seeds; the groups are the
     comparison's (compare.json of this folder) where it names every run, else the runs' own settings."""
-    from cemtool.plots.style import save
-    from cemtool.plots.training import SEED_STYLES, group_runs, training_groups_figure
-
     cmp = (reports.get("compare") or (None, None))[1]
     runs = cmp.get("runs") if isinstance(cmp, dict) else None
     by_path = {Path(r["run"]).resolve(): r["label"] for r in runs or [] if isinstance(r, dict) and "label" in r}
@@ -325,8 +311,6 @@ def _training_groups(curves: list, plots: Path, figures: dict, reports: dict, no
 def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: bool = True,
                  problems: list[str] | None = None, title: str | None = None) -> list[Path]:
     """Figures and report.md of a folder of runs (or of ``runs`` given explicitly, drawn into ``root``)."""
-    from cemtool.plots.report_md import write_collection_report
-
     root = Path(root)
     problems = [] if problems is None else problems
     runs = find_runs(root) if runs is None else [Path(r) for r in runs]
@@ -350,8 +334,6 @@ def render_sweep(root: str | Path, runs: list[Path] | None = None, *, each_run: 
     reports: dict = {}
     if (root / "study.json").is_file():
         try:
-            from cemtool.plots.report_md import study_section
-
             study = read_json(root / "study.json", "study manifest")
             study_section(study)  # readable
             reports["study"] = (root / "study.json", study)

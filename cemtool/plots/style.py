@@ -4,6 +4,8 @@ kind of tick label, visible "not converged" markers, titles that fit, and the ou
 from __future__ import annotations
 
 import hashlib
+import io
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -12,8 +14,20 @@ import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.text import Text  # noqa: E402
+from matplotlib.ticker import (  # noqa: E402
+    FixedLocator,
+    FuncFormatter,
+    LogFormatterSciNotation,
+    LogLocator,
+    MaxNLocator,
+    NullFormatter,
+)
 
 from cemtool.errors import CemtoolError  # noqa: E402
+from cemtool.writes import atomic_write_bytes  # noqa: E402
 
 # the unit of a Hessian eigenvalue: a second derivative of the loss (nats/token) in the parameters θ
 CURVATURE = "nats/token per (unit of θ)²"
@@ -29,16 +43,12 @@ _FIXED = {"baseline": 0, "vanilla": 0, "tmm": 1, "lime": 2, "cem": 3, "hb": 4, "
 
 def arch_color(arch: str) -> tuple[float, float, float]:
     """The same colour (RGB) for an architecture in every figure (fixed for the common ones, hashed otherwise)."""
-    from matplotlib.colors import to_rgb
-
     k = _FIXED[arch] if arch in _FIXED else int(hashlib.md5(arch.encode()).hexdigest(), 16) % len(PALETTE)
     return to_rgb(PALETTE[k])
 
 
 def contrast_with_white(color) -> float:
     """WCAG 2.1 contrast ratio of a colour against a white background (1 = none, 21 = black)."""
-    from matplotlib.colors import to_rgb
-
     c = [v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4 for v in to_rgb(color)]
     return 1.05 / (0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2] + 0.05)
 
@@ -46,8 +56,6 @@ def contrast_with_white(color) -> float:
 def layer_axis(ax, layers: list[int], axis: str = "x") -> None:
     """An axis of layer indices: a tick at every layer (integers only; at most about 12 labelled), limits half a
     layer beyond the first and last, so that one layer is not drawn on an axis of fractions."""
-    from matplotlib.ticker import MaxNLocator
-
     layers = sorted({int(v) for v in layers})
     if not layers:
         return
@@ -63,8 +71,6 @@ def plain_numbers(ax, axis: str = "y") -> None:
     """Tick labels that carry their whole value (4 significant digits): no offset ('+1.234e1') and no multiplier at
     the axis end. Call it after drawing the data: an axis whose data span less than 1% of their size (one layer,
     one value) is widened to ±5% of it, so that its ticks read 12.0, 12.5, ... instead of 12.3456790, 12.3456795."""
-    from matplotlib.ticker import FuncFormatter
-
     (ax.xaxis if axis == "x" else ax.yaxis).set_major_formatter(FuncFormatter(lambda v, _: f"{v:.4g}"))
     lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
     size = max(abs(lo), abs(hi))
@@ -76,8 +82,6 @@ def plain_numbers(ax, axis: str = "y") -> None:
 def log_ticks(ax, axis: str = "y") -> None:
     """A log axis with one kind of tick label: within two decades plain numbers (0.3, 1, 2, 5, 10, 20), the minor
     ticks at 2, 3 and 5 labelled too; beyond, powers of ten only (10⁻⁶, 10⁻³, 1 is not mixed with 2×10⁻¹)."""
-    from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation, LogLocator, NullFormatter
-
     a = ax.yaxis if axis == "y" else ax.xaxis
     lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
     if lo > 0 and hi / lo <= 100:
@@ -103,16 +107,12 @@ def mark_not_converged(ax, x, y, color) -> None:
 
 def not_converged_handle():
     """The legend entry of :func:`mark_not_converged`."""
-    from matplotlib.lines import Line2D
-
     return Line2D([], [], mec="0.3", **NOT_CONVERGED)
 
 
 def note_panel(ax, text: str, fontsize: float = 8) -> None:
     """Text in an empty panel (its axes hidden), each line wrapped to the panel's width (about 0.5 em a
     character), so that it never widens the figure."""
-    import textwrap
-
     width_pt = ax.figure.get_figwidth() * ax.get_position().width * 72
     chars = max(12, int(width_pt / (0.55 * fontsize)))
     wrapped = "\n".join(textwrap.fill(line, chars) for line in text.splitlines())
@@ -144,8 +144,6 @@ def _overlapping(labels) -> bool:
 def untangle_ticks(fig) -> None:
     """Where the x tick labels of an axis overlap once drawn: fewer ticks on a numeric axis, and slanted labels
     where that is not enough (or the ticks are categories)."""
-    from matplotlib.ticker import FixedLocator, MaxNLocator
-
     fig.draw_without_rendering()
     crowded = [ax for ax in fig.axes if _overlapping(ax.get_xticklabels())]
     if not crowded:
@@ -256,8 +254,6 @@ SLACK = 0.95  # wrap to this share of the room: the wrapped lines move the axes 
 
 def fit_titles(fig) -> None:
     """Wrap every title and axis label that is longer than its axes (or the figure) onto more lines, at spaces."""
-    import textwrap
-
     fig.draw_without_rendering()
     r = fig.canvas.get_renderer()
     for t, avail, side in _titles(fig):
@@ -275,8 +271,6 @@ def fit_titles(fig) -> None:
 def _preset_fonts(fig, base: float) -> None:
     """Under a size preset no text is larger than the preset's font (the figures ask for 9 pt titles and 8 pt
     legends at their own sizes), legends one point smaller."""
-    from matplotlib.text import Text
-
     legend_texts = {id(t) for lg in fig.legends + [a.get_legend() for a in fig.axes if a.get_legend()]
                     for t in [*lg.get_texts(), lg.get_title()]}
     for t in fig.findobj(Text):
@@ -289,10 +283,6 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
     """Save ``plots/<name>.<format>`` for every format in ``formats`` (default: those of :func:`output`, PNG and
     SVG unless told otherwise) atomically (runs.atomic_write_bytes: no links followed inside a run); close the
     figure. Titles that would be wider than their axes are wrapped first."""
-    import io
-
-    from cemtool.writes import atomic_write_bytes
-
     d = Path(plots_dir)
     if _OUTPUT["size"]:
         _preset_fonts(fig, SIZES[_OUTPUT["size"]][1])
