@@ -44,12 +44,17 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import save
 
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError
 from cemtool.layout import is_run
+from cemtool.models.allocation import layer_shapes
+from cemtool.models.baseline import Block
+from cemtool.models.lm import LM
+from cemtool.models.registry import get_arch
 from cemtool.subject import open_subject
-from cemtool.subject.hf.loader import EXPORT_FILE
+from cemtool.subject.hf.loader import EXPORT_FILE, _transformers
 from cemtool.writes import atomic_write_bytes, atomic_write_json
 
 TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32
@@ -66,10 +71,6 @@ NEEDS = {"LlamaForCausalLM": {"norm": "rmsnorm", "pos": "rope", "mlp": "swiglu"}
 
 def family_refusal(model) -> str | None:
     """Why this model's layers have no standard equivalent (None: it is the baseline block)."""
-    from cemtool.models.baseline import Block
-    from cemtool.models.lm import LM
-    from cemtool.models.registry import get_arch
-
     if type(model) is LM and all(type(b) is Block for b in model.blocks):
         return None
     arch = model.cfg.arch
@@ -79,8 +80,6 @@ def family_refusal(model) -> str | None:
 
 def refusals(model, target: str) -> list[str]:
     """Why this baseline model is not a ``target`` (empty: it is one)."""
-    from cemtool.models.allocation import layer_shapes
-
     cfg = model.cfg
     why = [f"model.{k}={getattr(cfg, k)} (needs {v})" for k, v in NEEDS[target].items() if getattr(cfg, k) != v]
     shapes = layer_shapes(cfg)
@@ -250,8 +249,6 @@ def export_record(loaded, added: list[str]) -> dict:
 def logits_difference(model, out: Path, target: str, sequences: int = 2, seed: int = 0) -> tuple[float, float]:
     """(max |logits of the exported directory (AutoModelForCausalLM.from_pretrained, fp32) - the run's|,
     max |logit|) on random sequences of max_seq_len tokens."""
-    from cemtool.subject.hf.loader import _transformers
-
     hf = _transformers().AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32, local_files_only=True,
                                                               use_safetensors=True).eval()
     if type(hf).__name__ != target:
@@ -267,10 +264,6 @@ def export_hf(run: str | Path, out: str | Path, checkpoint: str = "final", force
     """Write the run's model as a standard transformers directory ``out`` (LlamaForCausalLM, else
     GPT2LMHeadModel); return what was written and the logits check. Nothing is written outside ``out``; a non-empty
     ``out`` needs ``force``."""
-    from safetensors.torch import save
-
-    from cemtool.subject.hf.loader import _transformers
-
     _transformers()  # the check below needs it: fail before writing anything
     loaded = open_subject(run, checkpoint)
     model, out = loaded.model, Path(out)

@@ -26,15 +26,32 @@ Rules (docs/models.md):
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+import torch
+from tokenizers import Tokenizer as Fast
+
+from cemtool.config import DataConfig, RunConfig, from_dict, replace, to_dict
+from cemtool.data.tokenizer import Tokenizer
+from cemtool.data.tokens import id_tokenizer, is_token_source
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json
 from cemtool.layout import is_hf_dir  # the one detector of run and model directories (re-exported here)
+from cemtool.memory import check_weights_memory
+from cemtool.models.capture import capture
+from cemtool.models.registry import register
+from cemtool.runs import Run
+from cemtool.subject.base import Subject
+from cemtool.subject.hf.adapter import ForeignLM
+from cemtool.subject.hf.gpt2 import GPT2
+from cemtool.subject.hf.gpt_neox import GPTNeoX
+from cemtool.subject.hf.llama import LlamaLike
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
+from cemtool.writes import atomic_write_json, os_error
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
@@ -47,10 +64,6 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    from cemtool.subject.hf.gpt2 import GPT2
-    from cemtool.subject.hf.gpt_neox import GPTNeoX
-    from cemtool.subject.hf.llama import LlamaLike
-
     return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike()) for t in fam.model_types}
 
 
@@ -61,7 +74,7 @@ def is_foreign(source: str | Path) -> bool:
 
 def _transformers():
     try:
-        import transformers
+        import transformers  # optional dependency: transformers (the extra cemtool[hf])
     except ImportError:
         raise CemtoolError("loading Hugging Face models needs the transformers package",
                            hint='install the extra: pip install -e ".[hf]"') from None
@@ -86,7 +99,7 @@ def hub_snapshot(spec: str) -> tuple[Path, dict]:
     """The local snapshot directory of an hf: id (downloaded into the huggingface_hub cache if allowed)."""
     repo, rev = parse_hub_id(spec)
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # optional dependency: huggingface_hub
     except ImportError:
         raise CemtoolError("hf: ids need the huggingface_hub package",
                            hint='install the extra: pip install -e ".[hf]"') from None
@@ -106,7 +119,7 @@ def download_command(repo: str, rev: str | None) -> str:
     """The command line that fills the cache: ``hf download`` since huggingface_hub 1.0 (``huggingface-cli``
     before)."""
     try:
-        from huggingface_hub import __version__ as hub_version
+        from huggingface_hub import __version__ as hub_version  # optional dependency: huggingface_hub
     except ImportError:
         hub_version = "1"
     cli = "huggingface-cli" if int(hub_version.split(".")[0]) < 1 else "hf"
@@ -133,7 +146,6 @@ def refuse_remote_code(path: Path) -> None:
     """Refuse a directory whose config names its own Python classes (``auto_map``): transformers would import and
     run the directory's ``*.py`` files. cemtool never runs code from a model directory."""
     from cemtool.fileio import read_json
-
     for name in ("config.json", "tokenizer_config.json"):
         f = path / name
         raw = read_json(f, name) if f.is_file() else None
@@ -162,8 +174,6 @@ def check_files(path: Path) -> list[Path]:
 def read_headers(weights: list[Path]) -> dict[str, TensorInfo]:
     """Every tensor's dtype and shape, from the weight files' headers (no data read), each file's layout checked
     (:func:`cemtool.tensorfile.read_header`)."""
-    from cemtool.writes import os_error
-
     found: dict[str, TensorInfo] = {}
     for w in weights:
         try:
@@ -187,8 +197,6 @@ def read_headers(weights: list[Path]) -> dict[str, TensorInfo]:
 def config_params(path: Path, config, fam) -> tuple[int, int]:
     """(parameters of the config's model, layers), counted without building it: a one-layer copy is built on the
     meta device (no memory), and the layers are alike, so a config with a million layers costs nothing."""
-    import torch
-
     transformers = _transformers()
     layers = getattr(config, "num_hidden_layers", None)
     if type(layers) is not int or layers < 1:
@@ -212,8 +220,6 @@ def check_size(spec: str, path: Path, config, fam, found: dict[str, TensorInfo])
     4 bytes per parameter), and one with more than twice the parameters the weight files hold (a config with a
     million layers for weights of two: tensors are missing, and building it would take minutes; a smaller
     shortfall is named tensor by tensor once loaded, :func:`check_loading`). Returns the parameter count."""
-    from cemtool.memory import check_weights_memory
-
     params, layers = config_params(path, config, fam)
     check_weights_memory(params, f"{spec} ({layers:,} layers)", "cpu")
     held = sum(t.numel for t in found.values())
@@ -263,6 +269,7 @@ def read_config(path: Path):
         raise CemtoolError(f"{path}: unknown model type {mt!r} ({str(e).splitlines()[0][:100]})",
                            hint="the transformers installed here cannot build it; update transformers or pass "
                                 "a supported model") from None
+    # optional dependency: transformers (importable here: _transformers() above succeeded)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
 
     encoder = type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False)
@@ -295,10 +302,6 @@ def load_hf_model(path: Path, config, spec: str | None = None):
 def load_hf_tokenizer(path: Path, kind: str = "hf"):
     """The model's own tokenizer as a cemtool Tokenizer (kind 'hf'; an exported run's tokenizer.json keeps the
     run's kind)."""
-    from tokenizers import Tokenizer as Fast
-
-    from cemtool.data.tokenizer import Tokenizer
-
     if (path / "tokenizer.json").is_file():
         return Tokenizer(Fast.from_file(str(path / "tokenizer.json")), kind)
     transformers = _transformers()
@@ -316,8 +319,6 @@ def load_hf_tokenizer(path: Path, kind: str = "hf"):
 def model_tokenizer(path: Path, record: dict | None, source: str, vocab_size: int):
     """The model's own tokenizer; for pretokenised data (``.bin``/``.npy``), the ids alone when the directory has
     no usable tokenizer (the ids need none)."""
-    from cemtool.data.tokens import id_tokenizer, is_token_source
-
     if not any(next(path.glob(pattern), None) for pattern in TOKENIZER_FILES):
         if is_token_source(source):
             return id_tokenizer(vocab_size)
@@ -330,10 +331,6 @@ def model_tokenizer(path: Path, record: dict | None, source: str, vocab_size: in
 def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> dict:
     """The adapter's logits (every hook point captured) against the plain transformers forward (no hooks; the
     model's default attention kernel where this transformers can switch to it) on random token sequences."""
-    import torch
-
-    from cemtool.models.capture import capture
-
     hf = model.hf
     T = min(tokens, model.max_seq_len)
     g = torch.Generator().manual_seed(seed)
@@ -365,10 +362,6 @@ def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> 
 def register_arch(config: dict) -> str:
     """Register the architecture of a transformers config with cemtool's registry (so that ``build_model`` and the
     training loop, e.g. a forgetting fine-tune, build it, with fresh weights) under ``hf-<model_type>-<hash>``."""
-    import hashlib
-
-    from cemtool.models.registry import register
-
     body = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
     arch = f"hf-{config['model_type']}-{hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:6]}"
     _CONFIGS[arch] = body
@@ -385,7 +378,6 @@ def build_foreign(cfg):
     """A registered foreign architecture with fresh weights: cemtool.models.registry's builder (ModelConfig ->
     module)."""
     transformers = _transformers()
-    from cemtool.subject.hf.adapter import ForeignLM
 
     if cfg.heads or cfg.head_dims:  # e.g. saturation's allocation advice: its train command could not build it
         raise CemtoolError(f"per-layer allocation (model.heads, model.head_dims) does not apply to {cfg.arch}: a "
@@ -429,8 +421,6 @@ def read_export(path: Path) -> dict | None:
 def eval_data(record: dict | None, data: str | None, seq_len: int | None, max_seq_len: int):
     """The evaluation data: ``data`` (default pydoc, or an exported run's own data section, with its source
     replaced by ``data`` where given) in windows of at most the model's context."""
-    from cemtool.config import DataConfig, from_dict, replace
-
     if record is None:
         base = DataConfig(source=data or "pydoc")
     else:
@@ -448,12 +438,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
     import torch
 
-    from cemtool.config import RunConfig, to_dict
-    from cemtool.runs import Run
-    from cemtool.subject.base import Subject
     from cemtool.subject.hf.adapter import ForeignLM
-    from cemtool.writes import atomic_write_json
-
     spec = str(source)
     if checkpoint not in ("final", "latest"):
         raise CemtoolError(f"--checkpoint {checkpoint} applies to cemtool runs; {spec} is one set of weights",
