@@ -6,6 +6,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from cemtool.cli.common import guarded_call
+from cemtool.cli.console import info
+from cemtool.threads import apply
+
 app = typer.Typer(
     name="cemtool",
     no_args_is_help=True,
@@ -28,10 +32,6 @@ def common_options(
                                  "docs/performance.md)")] = None,
 ) -> None:
     """Train small language models of several Transformer layer families and measure them."""
-    from cemtool.cli.common import guarded_call
-    from cemtool.cli.console import info
-    from cemtool.threads import apply
-
     if threads is None and (ctx.invoked_subcommand in LIGHT or {"-h", "--help"} & set(sys.argv[1:])):
         return  # (a command's own arguments are not in ctx here)
     note = guarded_call(apply, threads)

@@ -13,6 +13,7 @@ from cemtool.cli.app import app
 from cemtool.cli.common import guarded
 from cemtool.errors import CemtoolError
 from cemtool.options import as_cli
+from cemtool.writes import safe_name
 
 
 def _label(path: Path, taken: set[str]) -> str:
@@ -117,9 +118,8 @@ def collapse_report_cmd(
     LIMe routing and momentum-stream scalars per layer (METHODS §5); several runs give one comparison."""
     from cemtool.analysis.collapse import Options, all_rows, options_dict  # start-up: torch loads when it runs
     from cemtool.jobs import run_job, write_comparison
-    from cemtool.plots.collapse import plot_collapse
-    from cemtool.report import provenance
-    from cemtool.writes import safe_name
+    from cemtool.plots.collapse import plot_collapse  # start-up: matplotlib
+    from cemtool.report import provenance  # start-up: loaded when the command runs (docs/performance.md)
 
     safe_name(name, "--name")
     if words is not None and not words.strip(" ,"):

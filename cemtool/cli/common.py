@@ -73,7 +73,7 @@ def hold_run(path: Any) -> None:
     :func:`guarded`): several analyses may read a run at once, but ``train --force`` cannot move it aside
     meanwhile (refused), and a run being trained is not measured (refused too). Nothing for a path that is not a
     cemtool run (a Hugging Face model)."""
-    from cemtool.runs import lock_for_reading
+    from cemtool.runs import lock_for_reading  # start-up: loaded when the command runs (docs/performance.md)
 
     run = lock_for_reading(path)
     if run is not None:

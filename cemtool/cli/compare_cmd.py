@@ -13,7 +13,7 @@ from cemtool.cli.common import guarded
 
 
 def _num(v) -> str:
-    from cemtool.analysis.compare import fmt_num
+    from cemtool.analysis.compare import fmt_num  # start-up: torch
 
     return fmt_num(v)
 
@@ -29,7 +29,7 @@ def print_notes(payload: dict) -> None:
 
 
 def print_compare(payload: dict) -> None:
-    from cemtool.analysis.compare import METRICS, SPREAD, arch_table, layer_table, val_loss_note
+    from cemtool.analysis.compare import METRICS, SPREAD, arch_table, layer_table, val_loss_note  # start-up: torch
 
     if payload.get("at_tokens") is not None:
         console.result(val_loss_note(payload))
@@ -84,8 +84,8 @@ def compare(
     the tables and figures alike); Spearman correlations of sharpness
     with forgetting; pairwise differences with Welch intervals. Reports measured with different settings are
     flagged (--strict: refused), and so are runs of one architecture that share a seed."""
-    from cemtool.analysis.compare import compare as compare_runs
-    from cemtool.analysis.compare import write_compare
+    from cemtool.analysis.compare import compare as compare_runs  # start-up: torch
+    from cemtool.analysis.compare import write_compare  # start-up: torch
 
     payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens,
                            names={"sharpness": sharpness, "collapse": collapse}, strict=strict)

@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cemtool.errors import CemtoolError
+from cemtool.writes import to_json_value
 
 # without a terminal (pipes, files, CI logs) rich would wrap tables at 80 columns; tables are wider than that (and
 # :func:`table` widens the console to a table's natural width, so that no row is ever folded)
@@ -57,8 +58,7 @@ def result(msg: str) -> None:
 
 def print_json(obj: Any) -> None:
     """``obj`` as strict JSON on stdout: numpy/torch values as numbers and lists, NaN and ±inf as null, objects
-    JSON does not know as their string (:func:`cemtool.writes.to_json_value`)."""
-    from cemtool.writes import to_json_value  # imported here: the console is loaded by every command
+    JSON does not know as their string (:func:`cemtool.runs.to_json_value`)."""
 
     sys.stdout.write(json.dumps(to_json_value(obj, unknown_as_str=True), indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()

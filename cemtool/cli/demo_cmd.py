@@ -16,6 +16,7 @@ The output folder is a study directory: running the demo again there continues i
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -25,7 +26,10 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
+from cemtool.cli.compare_cmd import print_compare
+from cemtool.cli.sweep_cmd import SweepReporter
 from cemtool.errors import CemtoolError
+from cemtool.fileio import read_json
 
 # The settings, passed explicitly (sized so that the whole demo takes < 5 min on 2 CPU cores; see docs/demo.md).
 FULL = {
@@ -81,7 +85,7 @@ class Clock:
 
 def demo_plan(settings: dict, archs: str, seeds: str):
     """The study plan: every run trains on the same tokens; sharpness, collapse and forgetting at small settings."""
-    from cemtool.sweep import make_plan
+    from cemtool.sweep import make_plan  # start-up: torch
 
     return make_plan(archs, seeds, tokens=settings["tokens"], data="grammar", overrides=settings["overrides"],
                      analyses="sharpness,collapse,forgetting", target="grammar-b",
@@ -90,8 +94,7 @@ def demo_plan(settings: dict, archs: str, seeds: str):
 
 def study_step(out: Path, plan, device: str, quiet: bool) -> dict:
     """Train every architecture x seed and run its analyses (``cemtool sweep``)."""
-    from cemtool.cli.sweep_cmd import SweepReporter
-    from cemtool.sweep import run_sweep
+    from cemtool.sweep import run_sweep  # start-up: torch
 
     with SweepReporter(quiet) as rep:
         manifest = run_sweep(out, plan, device=device, callback=rep)
@@ -120,7 +123,7 @@ def layer_sharpness(run: Path, layer: int, options: dict, device: str) -> Path:
 
 
 def layers_step(out: Path, manifest: dict, options: dict, device: str, quiet: bool) -> list[Path]:
-    from cemtool.runs import open_run
+    from cemtool.runs import open_run  # start-up: loaded when the command runs (docs/performance.md)
 
     written = []
     for it in manifest["items"]:
@@ -134,7 +137,7 @@ def layers_step(out: Path, manifest: dict, options: dict, device: str, quiet: bo
 
 def compare_step(out: Path) -> dict:
     """``cemtool compare OUT``: the table over architectures, correlations, pairwise differences."""
-    from cemtool.analysis.compare import compare, write_compare
+    from cemtool.analysis.compare import compare, write_compare  # start-up: torch
 
     payload = compare([out])
     write_compare(payload, out)
@@ -143,7 +146,7 @@ def compare_step(out: Path) -> dict:
 
 def plot_step(out: Path, each_run: bool = True) -> tuple[list[Path], list[str]]:
     """``cemtool plot OUT`` (``--no-each-run`` when not ``each_run``): every figure and report.md."""
-    from cemtool.plots.render import render_all
+    from cemtool.plots.render import render_all  # start-up: matplotlib
 
     problems: list[str] = []
     return render_all(out, problems, each_run=each_run), problems
@@ -170,12 +173,9 @@ def write_timing(out: Path, clock: Clock, settings: dict, quick: bool) -> Path:
     """reports/demo.json: the seconds of each step and in all. A step this session reused keeps the seconds of the
     session that did it (:func:`timed_steps`); ``total`` is then their sum, and ``this_session`` what this session
     took."""
-    import os
+    import torch  # start-up: torch
 
-    import torch
-
-    from cemtool.fileio import read_json
-    from cemtool.report import provenance, write_report
+    from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
 
     path = out / "reports" / "demo.json"
     try:
@@ -195,7 +195,7 @@ def write_timing(out: Path, clock: Clock, settings: dict, quick: bool) -> Path:
 
 def all_done(out: Path, plan) -> bool:
     """Every item of the demo's study (and its analyses) finished before this session: the study step reuses it."""
-    from cemtool.sweep import open_study
+    from cemtool.sweep import open_study  # start-up: torch
 
     items = open_study(out, plan).manifest["items"]
     return bool(items) and all(it["status"] == "completed" and all(a["status"] == "completed"
@@ -203,7 +203,7 @@ def all_done(out: Path, plan) -> bool:
 
 
 def layers_done(out: Path, manifest: dict) -> bool:
-    from cemtool.runs import open_run
+    from cemtool.runs import open_run  # start-up: loaded when the command runs (docs/performance.md)
 
     return all((out / it["run"] / "reports" / f"sharpness-layer-{k}.json").exists()
                for it in manifest["items"] for k in range(open_run(out / it["run"]).config().model.n_layer))
@@ -229,15 +229,13 @@ def demo(
     """Train two contrasting architectures (2 seeds each) on the built-in grammar corpus, measure sharpness,
     curvature per layer, representation collapse and forgetting at small settings, compare them and draw every
     figure; under 5 minutes on 2 CPU cores (docs/demo.md). Prints where report.md is."""
-    from cemtool.cli.compare_cmd import print_compare
-
     settings = dict(QUICK if quick else FULL)
     settings["archs"] = archs or settings["archs"]
     settings["seeds"] = seeds or settings["seeds"]
     if out.exists() and not out.is_dir():
         raise CemtoolError(f"--out {out} exists and is not a directory", hint="choose another --out")
-    from cemtool.sweep import open_study
-    from cemtool.train import pick_device
+    from cemtool.sweep import open_study  # start-up: torch
+    from cemtool.train import pick_device  # start-up: torch
 
     pick_device(device)  # an unavailable device is refused before the demo says anything or creates its folder
     clock = Clock()

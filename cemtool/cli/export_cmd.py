@@ -31,7 +31,7 @@ def export(
     """Export a run as a model directory that other tools load (transformers, lm-eval-harness, ...)."""
     if to not in FORMATS:
         raise typer.BadParameter(f"unknown format {to!r}: choose one of {', '.join(FORMATS)}", param_hint="--to")
-    from cemtool.subject.hf.export import export_hf
+    from cemtool.subject.hf.export import export_hf  # start-up: torch
 
     res = export_hf(run, out, checkpoint=checkpoint, force=force)
     if json_:

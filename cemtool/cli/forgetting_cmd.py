@@ -11,6 +11,7 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded, hold_run
+from cemtool.cli.train_cmd import ProgressReporter
 
 
 def _f(v, digits: int = 4) -> str:
@@ -76,10 +77,9 @@ def forgetting(
     L_source(before) and plasticity = L_target(before) - L_target(after), with both curves. Writes a NEW run
     (meta.json "parent" = RUN) holding reports/forgetting.json and .csv. Under torchrun the fine-tune trains
     data-parallel and the evaluations are sharded; rank 0 alone writes and prints."""
-    from cemtool.cli.train_cmd import ProgressReporter
-    from cemtool.distributed import init_distributed
-    from cemtool.forgetting import fine_tune
-    from cemtool.train import pick_device
+    from cemtool.distributed import init_distributed  # start-up: torch
+    from cemtool.forgetting import fine_tune  # start-up: torch
+    from cemtool.train import pick_device  # start-up: torch
 
     if resume and force:
         raise typer.BadParameter("--resume continues --out, --force replaces it: choose one", param_hint="--force")

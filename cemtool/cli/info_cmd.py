@@ -7,9 +7,11 @@ from typing import Annotated, Optional
 
 import typer
 
+from cemtool.architectures import arch_list
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
+from cemtool.config import describe_fields, resolve, to_dict
 
 
 @app.command()
@@ -21,7 +23,7 @@ def runs(
     """List runs with what made them (kind: train, fine-tune), their data, status, steps and last validation loss
     (on the run's own data: a fine-tune's is on its target data). A run marked running whose process is gone
     (killed) shows as 'stopped'; unreadable lines of metrics.jsonl are skipped with a note."""
-    from cemtool.runs import list_runs
+    from cemtool.runs import list_runs  # start-up: loaded when the command runs (docs/performance.md)
 
     rows = list_runs(root)
     if json_:
@@ -64,7 +66,7 @@ def archs(
     With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
     vocab_, seq_len_ = vocab or 512, seq_len or 64
     if match_params or match_flops:
-        from cemtool.analysis.compute import match_width, target_size
+        from cemtool.analysis.compute import match_width, target_size  # start-up: torch
 
         by, ref = ("params", match_params) if match_params else ("flops", match_flops)
         target = target_size(ref, set_ or [], vocab_, seq_len_)
@@ -82,7 +84,7 @@ def archs(
         _list_archs(only, json_)
         return
 
-    from cemtool.analysis.compute import arch_table
+    from cemtool.analysis.compute import arch_table  # start-up: torch
 
     rows = arch_table(overrides=set_ or [], vocab=vocab_, seq_len=seq_len_, timed=time, only=only)
     if json_:
@@ -109,8 +111,6 @@ def archs(
 
 def _list_archs(only: list[str] | None, json_: bool) -> None:
     """Names, families and descriptions from the registry alone (no model is built)."""
-    from cemtool.models.registry import arch_list
-
     rows = arch_list(only)
     if json_:
         console.print_json(rows)
@@ -129,8 +129,6 @@ def config(
     fields: Annotated[bool, typer.Option("--fields", help="document every field instead")] = False,
 ) -> None:
     """Print the resolved configuration as JSON (or, with --fields, every field with its documentation)."""
-    from cemtool.config import describe_fields, resolve, to_dict
-
     if fields:
         console.table("configuration fields", ["key", "type", "default", "meaning"],
                       [list(r) for r in describe_fields()])

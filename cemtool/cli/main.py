@@ -21,7 +21,7 @@ def main() -> None:
         app()
     except SystemExit as e:  # every command ends here (typer exits with the command's status)
         if "torch.distributed" in sys.modules:  # only a command that imported torch can have joined a process group
-            from cemtool.distributed import exit_process
+            from cemtool.distributed import exit_process  # start-up: torch
 
             exit_process(e.code)  # under torchrun: leaves at once (see there); otherwise returns
         raise

@@ -11,6 +11,7 @@ from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
 from cemtool.errors import CemtoolError
+from cemtool.layout import is_hf_dir, is_run
 
 
 @app.command()
@@ -33,7 +34,7 @@ def plot(
     """Draw every figure a run or sweep's saved reports support, as PNG and SVG (or --format) under plots/, and
     write report.md (the figures with their numbers). Reads metrics.jsonl, config.json, meta.json and
     reports/*.json only: it works on a run whose checkpoints were deleted, and never loads a model."""
-    from cemtool.plots.style import check_size, output, parse_formats
+    from cemtool.plots.style import check_size, output, parse_formats  # start-up: matplotlib
 
     try:
         exts = parse_formats(formats)
@@ -46,8 +47,7 @@ def plot(
 
 
 def _plot(paths: list[Path], out: Path | None, each_run: bool, quiet: bool, json_: bool, exts: tuple[str, ...]):
-    from cemtool.layout import is_hf_dir, is_run
-    from cemtool.plots.render import render_all, render_sweep
+    from cemtool.plots.render import render_all, render_sweep  # start-up: matplotlib
 
     problems: list[str] = []
     if len(paths) == 1:

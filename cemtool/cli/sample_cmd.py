@@ -11,6 +11,7 @@ from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
 from cemtool.errors import CemtoolError
+from cemtool.writes import atomic_write_json
 
 
 @app.command()
@@ -35,12 +36,11 @@ def sample(
 ) -> None:
     """Continue a prompt with the model of a run: seeded sampling with temperature and top-k (greedy at
     temperature 0). The model sees the last max_seq_len tokens. Prints each sample (prompt + continuation)."""
-    from cemtool.generate import SampleOptions
-    from cemtool.generate import sample as generate_samples
-    from cemtool.report import provenance
-    from cemtool.subject import open_subject
-    from cemtool.train import pick_device
-    from cemtool.writes import atomic_write_json
+    from cemtool.generate import SampleOptions  # start-up: torch
+    from cemtool.generate import sample as generate_samples  # start-up: torch
+    from cemtool.report import provenance  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.subject import open_subject  # start-up: torch
+    from cemtool.train import pick_device  # start-up: torch
 
     opts = SampleOptions(tokens=tokens, temperature=temperature, top_k=top_k, seed=seed, num_samples=num_samples)
     opts.check()  # the numbers first, before anything is loaded; top-k against the vocabulary once it is known

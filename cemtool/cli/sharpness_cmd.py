@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +13,8 @@ from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded, hold_run
 from cemtool.errors import CemtoolError, UsageError
+from cemtool.fileio import read_json
+from cemtool.writes import safe_name, to_json_value
 
 QUICK = dict(tokens=1024, top_k=3, bottom_k=1, lanczos_steps=20, trace_hvps=20, density_runs=1, density_steps=20,
              avg_samples=2, slice_points=7, slice_points_2d=5)
@@ -176,7 +179,6 @@ def sharpness(
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.sharpness import check_per_layer  # start-up (torch)
     from cemtool.jobs import run_job  # start-up: torch and matplotlib load when a command runs, not for --help
-    from cemtool.writes import safe_name, to_json_value
 
     if backend not in ("cemtool", "pyhessian"):
         raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
@@ -275,16 +277,12 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
                json_: bool) -> None:
     """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens (the
     cross-check backend: it writes its own report, sharpness_pyhessian)."""
-    from dataclasses import asdict, replace
-
-    from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # optional dependency inside
+    from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # optional dependency: PyHessian
     from cemtool.analysis.sharpness import report_name, tokens_note  # start-up (torch)
     from cemtool.distributed import init_distributed
-    from cemtool.fileio import read_json
-    from cemtool.report import provenance, write_report
-    from cemtool.subject import open_subject
-    from cemtool.train import pick_device
-    from cemtool.writes import to_json_value
+    from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.subject import open_subject  # start-up: torch
+    from cemtool.train import pick_device  # start-up: torch
 
     if opts.hvp != "exact":
         raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
