@@ -1,6 +1,6 @@
 """The import graph of the cemtool package: its cycles and its imports inside functions.
 
-    python scripts/import_graph.py [--report] [--root PATH]
+    python scripts/import_graph.py [--report] [--root PATH] [--only FILE ...]
 
 Reads every module under the package (cemtool/ beside this script, or --root) with `ast`, without importing it, and
 counts every import statement: at module level and inside functions, `import x` and `from x import y`, relative
@@ -15,7 +15,8 @@ they are counted but make no edge. Imports by name at run time (importlib.import
 - the totals.
 
 Exits 1 when there is a cycle or an unjustified import inside a function, 0 otherwise; with --report it only prints
-and exits 0.
+and exits 0. With --only, the imports inside functions are those of the given files alone (the cycles are still the
+whole package's).
 """
 
 from __future__ import annotations
@@ -205,10 +206,11 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found)
 
 
-def report(graph: Graph) -> tuple[list[list[str]], list[Import], list[str]]:
-    """(cycles, imports inside functions, printed lines)."""
+def report(graph: Graph, only: set[str] | None = None) -> tuple[list[list[str]], list[Import], list[str]]:
+    """(cycles, unjustified imports inside functions, printed lines); ``only``: the files (paths relative to the
+    package's parent, as :attr:`Import.path`) whose imports inside functions are listed and counted."""
     found = cycles(graph.edges())
-    in_functions = [i for i in graph.imports if i.in_function]
+    in_functions = [i for i in graph.imports if i.in_function and (only is None or i.path in only)]
     out = [f"import cycles: {len(found)}"]
     for component in found:
         members = set(component)
@@ -218,16 +220,31 @@ def report(graph: Graph) -> tuple[list[list[str]], list[Import], list[str]]:
                 where = "in a function" if imp.in_function else "module level"
                 out.append(f"    {imp.path}:{imp.line} ({where}): {imp.text}")
     unjustified = [i for i in in_functions if not i.justified]
-    out.append(f"imports inside functions: {len(in_functions)} ({len(unjustified)} without a justification)")
+    scope = "" if only is None else f" of {len(only)} file(s)"
+    out.append(f"imports inside functions{scope}: {len(in_functions)} ({len(unjustified)} without a justification)")
     for imp in in_functions:
         mark = "ok  " if imp.justified else "NO  "
         out.append(f"  {mark}{imp.path}:{imp.line}: {imp.text}")
     module_level = sum(not i.in_function for i in graph.imports)
     type_only = sum(i.type_only for i in graph.imports)
     out.append(f"totals: {len(graph.modules)} modules, {len(graph.imports)} import statements "
-               f"({module_level} at module level, {len(in_functions)} inside functions, {type_only} type-checking "
-               f"only); {len(found)} import cycles; {len(unjustified)} unjustified imports inside functions")
+               f"({module_level} at module level, {len(in_functions)} inside functions{scope}, {type_only} "
+               f"type-checking only); {len(found)} import cycles; {len(unjustified)} unjustified imports inside "
+               f"functions{scope}")
     return found, unjustified, out
+
+
+def package_paths(root: Path, files: list[Path]) -> set[str]:
+    """The given files as :attr:`Import.path` names them (relative to the package's parent); a file outside the
+    package, or missing, is refused."""
+    base = root.resolve().parent
+    out = set()
+    for f in files:
+        path = f.resolve()
+        if not path.is_file() or not path.is_relative_to(root.resolve()):
+            raise SystemExit(f"--only: {f} is not a file of the package at {root}")
+        out.add(str(path.relative_to(base)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="only print; exit 0 whatever is found")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1] / "cemtool",
                         help="the package directory (default: cemtool/ of this checkout)")
+    parser.add_argument("--only", type=Path, nargs="+", metavar="FILE",
+                        help="list and count the imports inside functions of these files only")
     args = parser.parse_args(argv)
-    found, unjustified, lines = report(build_graph(args.root))
+    only = package_paths(args.root, args.only) if args.only else None
+    found, unjustified, lines = report(build_graph(args.root), only)
     print("\n".join(lines))
     return 0 if args.report or not (found or unjustified) else 1
 
