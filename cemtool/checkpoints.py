@@ -12,16 +12,18 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
 
 from cemtool.config import SCHEMA_VERSION
 from cemtool.errors import CemtoolError
 from cemtool.fileio import check_regular, read_json
 from cemtool.runs import Run, _status
+from cemtool.tensorfile import read_header
 from cemtool.writes import atomic_write_bytes, atomic_write_json
-
-if TYPE_CHECKING:  # torch is imported where tensors are handled, so that reading reports (cemtool plot) is fast
-    import torch
 
 
 def _sha256(path: Path) -> str:
@@ -50,7 +52,6 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
 
 def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
     """Replace tensors in a nested structure by {'__tensor__': key}; return the JSON-able skeleton."""
-    import torch
 
     if isinstance(obj, torch.Tensor):
         key = prefix
@@ -89,8 +90,6 @@ def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
     header and tensors ('cemtool_sha256'), so that the file verifies on its own; manifest.json also records the
     file's SHA-256. ``extra``: more tensors a resume needs (e.g. the curvature tracker's warm start), stored as
     'extra.<key>'."""
-    import torch
-    from safetensors.torch import save
 
     weights, aliases = model_tensors(model)
     tensors = {f"model.{k}": v for k, v in weights.items()}
@@ -117,7 +116,6 @@ def save_checkpoint(run: Run, name: str, model: torch.nn.Module, *, step: int,
 def _content_sha256(header_json: str, tensors: dict[str, torch.Tensor]) -> str:
     """SHA-256 of the header and of every tensor's name, dtype, shape and bytes (in name order): what a
     checkpoint means, independent of how safetensors lays it out."""
-    import torch
 
     h = hashlib.sha256(header_json.encode("utf-8"))
     for k in sorted(tensors):
@@ -158,9 +156,7 @@ class Checkpoint:
 def read_checkpoint(path: str | Path, manifest: dict | None = None) -> Checkpoint:
     """Read and verify a cemtool safetensors checkpoint (the manifest's SHA-256 if it lists the file, the file's
     own 'cemtool_sha256', and a well-formed header); never unpickles."""
-    from safetensors import safe_open
 
-    from cemtool.tensorfile import read_header
 
     path = Path(path)
     if not path.exists():
@@ -235,7 +231,6 @@ def check_fits(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.
     floating scalar, like AdamW's step), the same state names for every parameter of one optimizer; the RNG state
     the length of torch's. A forged file (a wrong-shaped tensor under a recomputed checksum) is then skipped on
     resume like a corrupt one, instead of crashing half-way through loading."""
-    import torch
 
     def bad(what: str) -> CemtoolError:
         return CemtoolError(f"checkpoint {ckpt.path} does not fit the configured model and optimizer ({what})",
@@ -262,7 +257,6 @@ def check_fits(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.
 
 def _optimizer_misfit(state: dict, optimizer: torch.optim.Optimizer) -> str | None:
     """Why a saved optimizer state_dict cannot be loaded into ``optimizer`` (None if it can): see check_fits."""
-    import torch
 
     saved, mine = state["param_groups"], optimizer.state_dict()["param_groups"]
     if len(saved) != len(mine) or any(
@@ -291,7 +285,6 @@ def restore_training(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.
     """Load a step checkpoint's weights, optimizer state and RNG state for resuming (checked first by
     :func:`check_fits`, so that a checkpoint that does not fit leaves model and optimizer untouched); one-line
     errors."""
-    import torch
 
     check_fits(ckpt, model, optimizer)
     load_weights(model, ckpt)

@@ -74,11 +74,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from cemtool.checkpoints import find_checkpoint
 from cemtool.config import RunConfig, to_dict
 from cemtool.config import replace as replace_config
 from cemtool.data.corpus import Corpus, load_corpus
+from cemtool.data.grammar import GRAMMARS
 from cemtool.distributed import all_gather, all_reduce_sum, check_same_device, current, init_distributed, shard
 from cemtool.errors import CemtoolError
 from cemtool.fileio import check_regular, read_bytes, read_json
@@ -87,6 +89,7 @@ from cemtool.models.registry import build_model
 from cemtool.report import provenance, write_report
 from cemtool.runs import Run, create_run, open_run
 from cemtool.subject import open_subject
+from cemtool.train import evaluate, pick_device, train
 from cemtool.writes import atomic_write_bytes
 
 Callback = Callable[[dict], None]
@@ -154,7 +157,6 @@ def finetune_config(source: RunConfig, target: str, recipe: Recipe, eval_tokens:
 def check_tokenizer(kind: str, target: str) -> None:
     """Refuse, with one line, target data that a source run's tokenizer of this kind (word, byte, bpe) cannot
     read."""
-    from cemtool.data.grammar import GRAMMARS
 
     if target in GRAMMARS and kind != "word":
         raise CemtoolError(f"target data {target!r} cannot be tokenized by the source run's {kind} tokenizer: "
@@ -229,7 +231,6 @@ class _Evaluator:
 
     def loss(self, weights: dict[str, torch.Tensor], which: str) -> float:
         """Mean token loss of ``weights`` on every rank's windows of ``which`` (source or target)."""
-        from cemtool.train import evaluate
 
         self.model.load_state_dict(weights, strict=True)
         corpus, mine = (self.source, self.source_mine) if which == "source" else (self.target, self.target_mine)
@@ -243,7 +244,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     """The model weights of a checkpoint the fine-tune has just written (safetensors; its optimizer tensors are
     not read). [Also sidesteps runs._refuse_pickle, which takes the 1 in 256 safetensors files whose header
     length ends in byte 0x80 for pickles.]"""
-    from safetensors import safe_open
 
     check_regular(path, "checkpoint")
     with safe_open(str(path), framework="pt") as f:
@@ -323,7 +323,6 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     :func:`cemtool.subject.open_subject` loads (a run, a Hugging Face model directory or hf: id); ``data``: the source
     data A (default the run's own; pydoc for a Hugging Face model), read with the source's tokenizer.
     """
-    from cemtool.train import pick_device, train
 
     dev = device if isinstance(device, torch.device) else pick_device(device)
     main = init_distributed(dev).main  # under torchrun: DDP training, sharded evaluations, rank 0 writes

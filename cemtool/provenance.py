@@ -7,12 +7,13 @@ import platform
 import subprocess
 from pathlib import Path
 
+import cemtool
+
 
 def versions() -> dict[str, str]:
     import numpy  # start-up: torch, for its version, only when a record is written (cemtool plot reads only)
     import torch
 
-    import cemtool
 
     out = {"cemtool": cemtool.__version__, "python": platform.python_version(), "torch": torch.__version__,
            "numpy": numpy.__version__, "platform": platform.platform()}

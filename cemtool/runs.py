@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cemtool.architectures import get_arch
 from cemtool.config import SCHEMA_VERSION, RunConfig, config_from_run_dict, to_dict
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json, read_jsonl
@@ -366,7 +367,6 @@ def _new_run(path: Path, cfg: RunConfig, *, move_aside: bool, argv: list[str] | 
         atomic_write_json(tmp / "config.json", to_dict(cfg))
         if tokenizer is not None:
             tokenizer.save(tmp / "tokenizer.json")
-        from cemtool.models.registry import get_arch
 
         meta = {"schema_version": SCHEMA_VERSION, "status": "running", "arch": cfg.model.arch,
                 "family": get_arch(cfg.model.arch).family, "seed": cfg.seed,

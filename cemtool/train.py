@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from cemtool.analysis import curvature
 from cemtool.checkpoints import check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
@@ -32,6 +33,7 @@ from cemtool.models.lm import lm_loss
 from cemtool.models.registry import build_model
 from cemtool.models.sizing import check_memory, count_params, memory_estimate, rough_params  # noqa: F401
 from cemtool.optim import make_optimizer, param_groups  # noqa: F401 (param_groups: re-exported)
+from cemtool.provenance import now
 from cemtool.runs import Run
 from cemtool.tblog import check_log_to, metrics_writer
 
@@ -230,7 +232,6 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     if tc.compile:
         fwd = torch.compile(model)
     if dd.world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
         fwd = DDP(fwd, device_ids=[dev.index] if dev.type == "cuda" else None)
     eval_starts = corpus.eval_windows(T, tc.eval_tokens)
@@ -440,7 +441,6 @@ def check_data_unchanged(meta: dict, corpus: Corpus, allow: bool = False) -> Non
 
 
 def _now() -> str:
-    from cemtool.provenance import now
 
     return now()
 

@@ -17,6 +17,7 @@ from typer.core import TyperGroup
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
+from cemtool.config import resolve
 from cemtool.errors import CemtoolError
 from cemtool.options import as_cli
 
@@ -139,7 +140,6 @@ def analyze(
 
 def _sweep_config(arch: str, data: str, p, *, d_model: int, n_layer: int, steps: int, lr: float, batch_tokens: int,
                   train_tokens: int, eval_tokens: int, extra: list[str]):
-    from cemtool.config import resolve
 
     overrides = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={p.heads}",
                  f"model.head_dim={p.head_dim}", f"data.seq_len={p.seq_len}",
@@ -224,8 +224,8 @@ def sweep(
     doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
     import cemtool.data.synthetic  # noqa: F401  (start-up: registers the ngram source; torch loads when it runs)
     from cemtool.analysis.saturation import summarise_sweep, sweep_grid
-    from cemtool.report import provenance, write_report
-    from cemtool.train import pick_device
+    from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.train import pick_device  # start-up: torch
 
     for name, v in (("--budget", budget), ("--steps", steps), ("--d-model", d_model), ("--n-layer", n_layer),
                     ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
@@ -256,7 +256,7 @@ def sweep(
                "results": results, "summary": summary}
     paths = write_report(root / "reports", "saturation_sweep", payload, results)
     if not no_plots:
-        from cemtool.plots.saturation import plot_sweep
+        from cemtool.plots.saturation import plot_sweep  # start-up: matplotlib
 
         plot_sweep(payload, root / "plots")
     if json_:

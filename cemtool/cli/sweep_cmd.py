@@ -100,7 +100,7 @@ def print_selection(selection: dict, tuning: Path, archs: list[str] | tuple | No
 
 def print_plan(manifest: dict, path: Path) -> None:
     """--dry-run: the runs the study would train, each with the overrides it adds to the plan's."""
-    from cemtool.sweep import Plan, item_overrides
+    from cemtool.sweep import Plan, item_overrides  # start-up: torch
 
     plan = Plan.from_dict(manifest["plan"])
     rows = [[it["name"], it["arch"], it["seed"],

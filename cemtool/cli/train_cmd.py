@@ -97,7 +97,7 @@ class TrainCommand(TyperCommand):
     shown: importing the sources needs torch, which other commands' start-up should not pay for)."""
 
     def format_help(self, ctx, formatter):
-        from cemtool.data.corpus import sources
+        from cemtool.data.corpus import sources  # start-up: torch, only when this help is printed
 
         for p in self.params:
             if p.name == "data":
@@ -139,8 +139,8 @@ def train(
     """Train a language model and write a self-describing run directory."""
     from cemtool.data.corpus import load_corpus  # start-up: torch loads when the command runs, not for --help
     from cemtool.start import start_or_resume
-    from cemtool.tblog import check_log_to
-    from cemtool.train import pick_device
+    from cemtool.tblog import check_log_to  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.train import pick_device  # start-up: torch
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -16,6 +16,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json
+from cemtool.writes import atomic_write_text
 
 
 class Tokenizer:
@@ -83,7 +84,6 @@ class Tokenizer:
         return json.dumps({"cemtool_kind": self.kind, "tokenizer": json.loads(self.hf.to_str())})
 
     def save(self, path: str | Path) -> None:
-        from cemtool.writes import atomic_write_text
 
         atomic_write_text(Path(path), self.to_json())
 

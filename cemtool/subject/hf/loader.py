@@ -145,7 +145,6 @@ def check_links(path: Path, cache_repo: Path | None = None) -> None:
 def refuse_remote_code(path: Path) -> None:
     """Refuse a directory whose config names its own Python classes (``auto_map``): transformers would import and
     run the directory's ``*.py`` files. cemtool never runs code from a model directory."""
-    from cemtool.fileio import read_json
     for name in ("config.json", "tokenizer_config.json"):
         f = path / name
         raw = read_json(f, name) if f.is_file() else None
@@ -436,9 +435,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     RunConfig whose data section is ``data`` (default ``pydoc``, or the run's own for a ``cemtool export``
     directory: :func:`eval_data`) read with the model's tokenizer, the tokenizer,
     and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
-    import torch
 
-    from cemtool.subject.hf.adapter import ForeignLM
     spec = str(source)
     if checkpoint not in ("final", "latest"):
         raise CemtoolError(f"--checkpoint {checkpoint} applies to cemtool runs; {spec} is one set of weights",
