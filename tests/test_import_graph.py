@@ -146,16 +146,11 @@ def test_only_lists_and_counts_the_given_files(ig, tmp_path, capsys):
 
 # the files whose imports inside functions are all justified (optional dependency or measured start-up cost); the
 # others are still being changed (issue 21)
-CLEAN = ["subject/hf/loader.py", "subject/hf/export.py", "plots/render.py", "plots/style.py", "plots/collapse.py",
-         "cli/demo_cmd.py", "cli/sample_cmd.py", "cli/info_cmd.py", "cli/sharpness_cmd.py", "cli/forgetting_cmd.py",
-         "cli/compare_cmd.py", "cli/plot_cmd.py", "cli/collapse_cmd.py", "cli/app.py", "cli/main.py",
-         "cli/export_cmd.py", "cli/console.py", "cli/common.py", "report.py", "fileio.py", "tblog.py", "errors.py",
-         "distributed.py", "analysis/curvature.py", "analysis/compute.py", "analysis/pyhessian_backend.py"]
-
-
-def test_the_package_has_no_cycle(ig):
+def test_the_package_has_no_cycle_and_no_unjustified_import_inside_a_function(ig):
+    """Issue 21's counts, on the real package: 0 import cycles; an import inside a function only for an optional
+    dependency or a measured start-up cost, with a comment saying which (the checks above show both can fail)."""
     root = Path(__file__).resolve().parents[1] / "cemtool"
     graph = ig.build_graph(root)
     assert ig.cycles(graph.edges()) == []
-    found, unjustified, _ = ig.report(graph, ig.package_paths(root, [root / f for f in CLEAN]))
+    found, unjustified, _ = ig.report(graph, None)
     assert found == [] and [f"{i.path}:{i.line}: {i.text}" for i in unjustified] == []
