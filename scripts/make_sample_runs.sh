@@ -4,10 +4,11 @@
 #   scripts/make_sample_runs.sh [STUDY]    (about 10 minutes on 2 CPU cores)
 #
 # STUDY: a finished study made by research/scripts/study.sh (about 1 h 20 min; default runs/study when it exists; a path
-# relative to the repository). Its light outputs are copied into sample_runs/study/: the study's report.md, figures
+# relative to the repository). Its light outputs are copied into research/sample_runs/study/: the study's report.md, figures
 # and comparison tables, each run's config, meta, metrics and forgetting report (not the runs' own sharpness and
 # collapse reports, whose numbers are in compare_runs.csv and reports/compare.json, nor checkpoints); and its
-# saturation sweep STUDY-saturation into sample_runs/study-saturation/.
+# saturation sweep STUDY-saturation into research/sample_runs/study-saturation/ (the research study's outputs live
+# under research/, with the findings study, research/sample_runs/findings).
 #
 # sample_runs/demo/              cemtool demo (train, sharpness, curvature per layer, collapse-report, forgetting,
 #                                compare, plot) + cemtool saturation on one of its runs
@@ -20,6 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 CEMTOOL=${CEMTOOL:-cemtool}
 OUT=sample_runs
+RESEARCH=research/sample_runs   # a study's light outputs
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/cemtool-samples.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
@@ -58,21 +60,21 @@ for d in demo lime saturation-sweep; do
 done
 cp "$WORK/demo_output.txt" "$OUT/demo/demo_output.txt"
 if [ -f "$STUDY/compare.md" ]; then
-  echo "== copying the study $STUDY into $OUT/study (light outputs only)" >&2
-  rm -rf "$OUT/study"
+  echo "== copying the study $STUDY into $RESEARCH/study (light outputs only)" >&2
+  rm -rf "$RESEARCH/study"
   (cd "$STUDY" && find . \( -name checkpoints -o -name '*.replaced-*' -o -name .lock \) -prune -o -type f \( \
       -path './plots/*' -o -path './reports/*' -o -path './saturation/*' -o -name 'report.md' -o -name 'compare*' \
       -o -name study.json -o -name config.json -o -name meta.json -o -name metrics.jsonl \
       -o -name 'forgetting.json' -o -name '*.log' \) -print) | while read -r f; do
-    mkdir -p "$OUT/study/$(dirname "$f")"
-    cp "$STUDY/$f" "$OUT/study/$f"
+    mkdir -p "$RESEARCH/study/$(dirname "$f")"
+    cp "$STUDY/$f" "$RESEARCH/study/$f"
   done
 fi
 if [ -f "$STUDY-saturation/reports/saturation_sweep.json" ]; then
-  echo "== copying the saturation sweep $STUDY-saturation into $OUT/study-saturation (no checkpoints)" >&2
-  rm -rf "$OUT/study-saturation"
-  cp -r "$STUDY-saturation" "$OUT/study-saturation"
-  find "$OUT/study-saturation" \( -name checkpoints -o -name .lock \) -prune -exec rm -rf {} +
+  echo "== copying the saturation sweep $STUDY-saturation into $RESEARCH/study-saturation (no checkpoints)" >&2
+  rm -rf "$RESEARCH/study-saturation"
+  cp -r "$STUDY-saturation" "$RESEARCH/study-saturation"
+  find "$RESEARCH/study-saturation" \( -name checkpoints -o -name .lock \) -prune -exec rm -rf {} +
 fi
 find "$OUT" -type d -name checkpoints -prune -exec rm -rf {} +
 find "$OUT" \( -name .lock -o -name '*.replaced-*' \) -prune -exec rm -rf {} +
@@ -98,8 +100,9 @@ is as the commands wrote it). Start with [demo/report.md](demo/report.md).
 | [demo/baseline-s0-ft-grammar-b/](demo/baseline-s0-ft-grammar-b/report.md) | `cemtool forgetting` | a fine-tune: source and target losses along the way |
 | [lime/](lime/report.md) | `cemtool train --arch lime`, `collapse-report`, `plot` | LIMe router heatmaps, expected retrieved layer |
 | [saturation-sweep/](saturation-sweep/report.md) | `cemtool saturation sweep`, `plot` | final loss against head size at a fixed budget, per sequence length |
-| [study-saturation/](study-saturation/report.md) | `cemtool saturation sweep` (45 models), `plot` | the saturation sweep of research/docs/findings.md §4 |
-| [study/](study/report.md) | `research/scripts/study.sh`: `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | the study behind [research/docs/findings.md](../research/docs/findings.md): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
+| [research: study-saturation/](../research/sample_runs/study-saturation/report.md) | `cemtool saturation sweep` (45 models), `plot` | the saturation sweep of research/docs/findings.md §4 |
+| [research: findings/](../research/sample_runs/findings/findings.md) | `research/scripts/study.sh grammar` (tuning sweeps, comparisons), `study.sh report` (compare, plot), `research/scripts/findings.py` | the study behind [research/docs/findings.md](../research/docs/findings.md): every tuning and comparison study with its runs' config, meta, metrics, sharpness / collapse / forgetting reports (no checkpoints; `python research/scripts/light_copy.py`), the per-paper comparisons with figures (`grammar/compare-*/report.md`), and the verdict table; `cp -r research/sample_runs/findings runs/findings && research/scripts/study.sh grammar runs/findings` continues it |
+| [research: study/](../research/sample_runs/study/report.md) | the first study (its script is in git history: `git show 51e19c5:scripts/study.sh`): `cemtool sweep` x 4, `compare`, `plot`, `saturation sweep` | one learning rate for every architecture, 1M tokens per run (summarised at the end of [research/docs/findings.md](../research/docs/findings.md)): 8 groups x 5 seeds, comparison tables with intervals, training curves averaged over seeds, per-layer collapse measures; runs without their checkpoints and per-run sharpness/collapse reports |
 
 When these files were made the demo took {total['wall_s']:.0f} s wall clock and {total['cpu_s']:.0f} s of CPU time (process
 time, all threads) on {timing['cpu_count']} CPU cores with {timing['threads']} torch thread(s) of a machine shared with other

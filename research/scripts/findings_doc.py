@@ -2,13 +2,13 @@
 research/scripts/findings.py).
 
     python research/scripts/findings_doc.py [FINDINGS_MD] [DOC]
-        (defaults sample_runs/findings/findings.md and research/docs/findings.md, from the repository root)
+        (defaults research/sample_runs/findings/findings.md and research/docs/findings.md, from the repository root)
 
 The blocks are the text between `<!-- NAME -->` and `<!-- /NAME -->`; everything else in DOC is prose and is kept.
 TABLE: the grammar part's verdict table and its details. TUNING: the learning rates chosen and the compute lines of
 every part. MUON and PYDOC: those parts' tables and details (NOT_YET while the part has no finished comparison).
 AGREE: where each part's verdicts agree with the grammar part's. research/tests/test_findings.py checks that
-research/docs/findings.md equals what this writes from sample_runs/findings, so the document cannot drift from the
+research/docs/findings.md equals what this writes from research/sample_runs/findings, so the document cannot drift from the
 runs it cites.
 """
 
@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-FINDINGS = Path("sample_runs") / "findings"  # the study's light outputs, from the repository root
+FINDINGS = Path("research") / "sample_runs" / "findings"  # the study's light outputs, from the repository root
 DOC = Path("research") / "docs" / "findings.md"
 TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learning rate, 5 comparison seeds (printed "
                "by `python research/scripts/findings.py runs/findings`; the command behind each row is under "

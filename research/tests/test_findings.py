@@ -1,5 +1,5 @@
 """research/scripts/findings.py: its intervals against scipy, its decision rules, and its table against an independent
-recomputation from the runs' own records (sample_runs/findings, the study's light outputs in the repository)."""
+recomputation from the runs' own records (research/sample_runs/findings, the study's light outputs in the repository)."""
 
 import importlib.util
 import json
@@ -13,10 +13,10 @@ import pytest
 from scipy import stats
 
 ROOT = Path(__file__).resolve().parents[2]
-FINDINGS = Path("sample_runs") / "findings"  # the study's light outputs, relative to the repository
+FINDINGS = Path("research") / "sample_runs" / "findings"  # the study's light outputs, relative to the repository
 SAMPLE = ROOT / FINDINGS
 SCRIPTS = ROOT / "research" / "scripts"
-SATURATION = ROOT / "sample_runs" / "study-saturation"  # the first study's saturation sweep
+SATURATION = ROOT / "research" / "sample_runs" / "study-saturation"  # the first study's saturation sweep
 
 
 def load(name: str = "findings"):
@@ -205,7 +205,7 @@ def test_agreement_compares_verdicts_without_their_reasons():
 
 def test_docs_findings_is_what_the_sample_runs_say(table):
     """Every generated block of research/docs/findings.md (the verdict tables, details, learning rates, compute and
-    wall time) equals what research/scripts/findings.py computes now from sample_runs/findings: the document cannot
+    wall time) equals what research/scripts/findings.py computes now from research/sample_runs/findings: the document cannot
     cite numbers its runs do not give."""
     spec = importlib.util.spec_from_file_location("findings_doc", SCRIPTS / "findings_doc.py")
     doc_mod = importlib.util.module_from_spec(spec)
@@ -223,7 +223,7 @@ def test_claim9_row_equals_a_recomputation_from_the_saturation_csv(table):
 
     sat = SATURATION / "reports" / "saturation_sweep.csv"
     if not sat.exists():
-        pytest.skip("sample_runs/study-saturation is not in this checkout")
+        pytest.skip("research/sample_runs/study-saturation is not in this checkout")
     df = pd.read_csv(sat).pivot_table(index=["seq_len", "seed"], columns="head_dim", values="val_loss")
     dims, t = sorted(df.columns), df.index.get_level_values(0).max()
     at = df.loc[t]
@@ -239,7 +239,7 @@ def test_each_part_takes_claim9_from_its_own_saturation_sweep(tmp_path):
     """The pydoc part's claim 9 is the sweep on its own text, never the grammar part's (n-gram) sweep."""
     src = SATURATION
     if not (src / "reports" / "saturation_sweep.json").exists():
-        pytest.skip("sample_runs/study-saturation is not in this checkout")
+        pytest.skip("research/sample_runs/study-saturation is not in this checkout")
     shutil.copytree(src, tmp_path / "saturation")
     assert F.saturation_row(tmp_path, "pydoc")["verdict"] == "not run yet"
     grammar = F.saturation_row(tmp_path, "grammar")
