@@ -86,6 +86,7 @@ from cemtool.errors import CemtoolError
 from cemtool.fileio import check_regular, read_bytes, read_json
 from cemtool.layout import is_run
 from cemtool.models.registry import build_model
+from cemtool.options import at_least, check_types
 from cemtool.report import provenance, write_report
 from cemtool.runs import Run, create_run, open_run
 from cemtool.subject import open_subject
@@ -115,6 +116,42 @@ class Recipe:
 
 
 REFERENCE = Recipe()
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a fine-tune takes (``cemtool forgetting``, ``sweep -A forgetting.key=value``): its length, warmup and
+    evaluation cadence (None: scaled from the source run, :func:`scaled_recipe`), validation tokens per evaluation
+    (None: the source run's), the source checkpoint, and the AdamW recipe (the reference's values by default)."""
+
+    steps: int | None = None
+    warmup_steps: int | None = None
+    eval_every: int | None = None
+    eval_tokens: int | None = None
+    checkpoint: str = "final"
+    lr: float = REFERENCE.lr
+    beta1: float = REFERENCE.beta1
+    beta2: float = REFERENCE.beta2
+    weight_decay: float = REFERENCE.weight_decay
+    min_lr_ratio: float = REFERENCE.min_lr_ratio
+    grad_clip: float = REFERENCE.grad_clip
+
+    def __post_init__(self):
+        check_types(self, "forgetting")
+        at_least(self, "forgetting", steps=1, warmup_steps=0, eval_every=1, eval_tokens=1, lr=0, beta1=0, beta2=0,
+                 weight_decay=0, min_lr_ratio=0, grad_clip=0)
+        for key in ("beta1", "beta2", "min_lr_ratio"):
+            if getattr(self, key) > 1:
+                raise CemtoolError(f"forgetting.{key}={getattr(self, key)}: must be <= 1")
+
+    def recipe(self) -> dict:
+        """The AdamW recipe's fields (Recipe), as fine_tune takes them."""
+        return {k: getattr(self, k) for k in ("lr", "beta1", "beta2", "weight_decay", "min_lr_ratio", "grad_clip")}
+
+    def schedule(self) -> dict:
+        """Length, warmup, evaluation cadence and tokens, and the source checkpoint, as fine_tune takes them."""
+        return {"steps": self.steps, "warmup_steps": self.warmup_steps, "eval_every": self.eval_every,
+                "eval_tokens": self.eval_tokens, "checkpoint": self.checkpoint}
 
 
 def scaled_recipe(source_steps: int, *, steps: int | None = None, warmup_steps: int | None = None,

@@ -78,7 +78,7 @@ def forgetting(
     (meta.json "parent" = RUN) holding reports/forgetting.json and .csv. Under torchrun the fine-tune trains
     data-parallel and the evaluations are sharded; rank 0 alone writes and prints."""
     from cemtool.distributed import init_distributed  # start-up: torch
-    from cemtool.forgetting import fine_tune  # start-up: torch
+    from cemtool.forgetting import Options, fine_tune  # start-up: torch
     from cemtool.train import pick_device  # start-up: torch
 
     if resume and force:
@@ -86,8 +86,9 @@ def forgetting(
     dev = pick_device(device)
     main = init_distributed(dev).main
     quiet = quiet or not main
-    recipe = {"lr": lr, "beta1": beta1, "beta2": beta2, "weight_decay": weight_decay, "min_lr_ratio": min_lr_ratio,
-              "grad_clip": grad_clip}
+    opts = Options(steps=steps, warmup_steps=warmup, eval_every=eval_every, eval_tokens=eval_tokens,
+                   checkpoint=checkpoint, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                   min_lr_ratio=min_lr_ratio, grad_clip=grad_clip)  # the fine-tune's own checks (forgetting.Options)
     hold_run(run)  # shared: train --force cannot move the source run aside while it is fine-tuned from
     with ProgressReporter(quiet) as rep:
         def progress(ev: dict) -> None:
@@ -95,8 +96,7 @@ def forgetting(
             if ev["kind"] == "source_eval" and not quiet:
                 rep.bar.console.print(f"step {ev['step']:>6}  source val {ev['source_loss']:.4f}", markup=False)
 
-        payload = fine_tune(run, to, out, checkpoint=checkpoint, data=data, steps=steps, warmup_steps=warmup,
-                            eval_every=eval_every, eval_tokens=eval_tokens, recipe=recipe, device=dev,
+        payload = fine_tune(run, to, out, data=data, **opts.schedule(), recipe=opts.recipe(), device=dev,
                             resume=resume, force=force, callback=progress, argv=sys.argv)
     if not main:  # every rank holds the same report; rank 0 alone prints
         return

@@ -44,9 +44,8 @@ def _measure(name: str, run_path: Path, options: dict, device: torch.device) -> 
 
 def _forgetting(run_path: Path, options: dict, device: torch.device, emit: Callback, target: str,
                 out: Path) -> None:
-    opts = dict(options)
-    kw = {k: opts.pop(k) for k in ("steps", "warmup_steps", "eval_every", "eval_tokens", "checkpoint") if k in opts}
-    fine_tune(run_path, target, out, recipe=opts, device=device, resume=True, callback=emit, **kw)
+    _, o = analysis_options("forgetting", options)
+    fine_tune(run_path, target, out, recipe=o.recipe(), device=device, resume=True, callback=emit, **o.schedule())
 
 
 def _finished(item: dict) -> bool:
