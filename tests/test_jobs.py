@@ -1,5 +1,5 @@
 """The one runner (cemtool.jobs): a new analysis, registered in a test without touching any other module, runs
-through run_job, from `cemtool sweep --analyses toy -A toy.x=1`, and in two processes as in one."""
+through run_job, from `cemtool sweep --analyses toy -A toy.x=1`, and under torchrun in two processes as in one."""
 
 import json
 import os
@@ -121,7 +121,7 @@ def _free_port() -> int:
 
 
 def test_a_registered_analysis_in_two_processes_equals_one(toy, tiny_run, tmp_path):
-    """Under torchrun's environment (2 ranks, gloo) the toy's report (rank 0 writes it) equals one process's, to
+    """Under torchrun (2 ranks, gloo) the toy's report (rank 0 writes it) equals one process's, to
     float32 summation order (each rank sums its shard)."""
     one, two = tmp_path / "one", tmp_path / "two"
     shutil.copytree(tiny_run, one)
@@ -130,15 +130,11 @@ def test_a_registered_analysis_in_two_processes_equals_one(toy, tiny_run, tmp_pa
     script = tmp_path / "worker.py"
     script.write_text(TOY + f"\njobs.run_job({str(two)!r}, 'toy', {{'x': 2}}, device='cpu')\n"
                       "from cemtool.distributed import exit_process\nexit_process(0)\n")  # as a command leaves
-    port, procs = str(_free_port()), []
-    for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "CEMTOOL_DIST_TIMEOUT": "30", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE))
-    done = [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
-    assert all(code == 0 for code, _ in done), done[0][1][-2000:] + done[1][1][-2000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CEMTOOL_DIST_TIMEOUT": "30",
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(_free_port()), str(script)], env=env, text=True, capture_output=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
     a = json.loads((one / "reports" / "toy.json").read_text())
     b = json.loads((two / "reports" / "toy.json").read_text())
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["tokens"] == a["tokens"]
