@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from cemtool.analysis import collapse, sharpness
+from cemtool.analysis import collapse, pyhessian_backend, sharpness
 from cemtool.analysis import saturation as saturation_analysis
 from cemtool.distributed import check_same_device, init_distributed
 from cemtool.errors import CemtoolError
@@ -193,6 +193,8 @@ def report_exists(run: Path, name: str) -> dict | None:
 register(Analysis("sharpness", sharpness.Options, sharpness.measure, sharpness.report_name,
                   lambda payload, plots, stem: plot_sharpness(payload, plots, prefix=stem)
                   if "layers" not in payload else []))
+register(Analysis("sharpness_pyhessian", sharpness.Options, pyhessian_backend.measure,  # needs cemtool[pyhessian]
+                  lambda o: "sharpness_pyhessian"))
 register(Analysis("collapse", collapse.Options, collapse.measure, lambda o: "collapse",
                   lambda payload, plots, stem: plot_collapse(payload, plots, stem)))
 register(Analysis("saturation", saturation_analysis.Options, saturation_analysis.measure, lambda o: "saturation",

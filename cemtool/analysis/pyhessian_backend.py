@@ -28,7 +28,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 
 import numpy as np
@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from cemtool.analysis.hessian import resolve_dtype, select_parameters, smooth_density
+from cemtool.analysis.sharpness import tokens_note
 from cemtool.errors import CemtoolError
 from cemtool.models.layers import attention_impl
 from cemtool.models.lm import lm_loss
@@ -250,4 +251,59 @@ def run_pyhessian(model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params:
     return res
 
 
-__all__ = ["MISSING", "PyHessianResult", "prepare_model", "require_pyhessian", "run_pyhessian"]
+# --------------------------------------------------------------------------------------------------------------
+# as an analysis: sharpness --backend pyhessian (cemtool.jobs runs it and writes reports/sharpness_pyhessian.json)
+
+
+def steps_of(o) -> tuple[str, ...]:
+    """What PyHessian is asked for: a budget of 0 skips, as with cemtool."""
+    return tuple(s for s, on in (("eigenvalues", o.top_k > 0), ("trace", o.trace_hvps > 0),
+                                 ("density", o.density_runs > 0)) if on)
+
+
+@dataclass
+class PyHessianReport:
+    """PyHessian's eigenvalues(), trace() and density() on a subject's evaluation tokens."""
+
+    result: PyHessianResult
+    options: object  # the sharpness Options (params, dtype, budgets, seed)
+    steps: tuple[str, ...]
+    seconds: float
+    device: str
+    notes: list[str] = field(default_factory=list)
+
+    def payload(self) -> dict:
+        o = self.options
+        return {"params": o.params, "dtype": o.dtype, "seconds": self.seconds, "steps": list(self.steps),
+                "tokens_requested": o.tokens, "notes": list(self.notes), **asdict(self.result)}
+
+    def rows(self) -> list[dict]:
+        r, seed = self.result, self.options.seed
+        rows = [{"quantity": "lambda_power_iteration", "index": i + 1, "value": v, "hvps": r.eigen_hvps,
+                 "seconds": r.eigen_seconds, "tokens": r.tokens, "seed": seed} for i, v in enumerate(r.eigenvalues)]
+        if r.trace is not None:
+            rows.append({"quantity": "trace_hutchinson", "index": 0, "value": r.trace, "uncertainty": r.trace_se,
+                         "hvps": r.trace_hvps, "seconds": r.trace_seconds, "tokens": r.tokens, "seed": seed})
+        return rows
+
+    def provenance(self) -> dict:
+        return dict(seed=self.options.seed, analysis="sharpness", backend="pyhessian", pyhessian=self.result.version,
+                    tokens=self.result.tokens, device=self.device)
+
+
+def measure(subject, options, progress=None) -> PyHessianReport:
+    """The PyHessian cross-check of a subject on its first ``options.tokens`` evaluation tokens (one process)."""
+    o = options
+    x, y = subject.eval_set(o.tokens)  # (n, T)
+    steps = steps_of(o)
+    t0 = time.perf_counter()
+    device = torch.device(subject.device)
+    res = run_pyhessian(subject.model, x, y, params=o.params, dtype=o.dtype, device=device, batch_size=o.batch_size,
+                        top_k=max(o.top_k, 1), density_runs=max(o.density_runs, 1),
+                        density_steps=o.density_steps, seed=o.seed, steps=steps)
+    notes = [tokens_note(o.tokens, res.tokens, int(x.shape[0]), int(x.shape[1]))] if o.tokens != res.tokens else []
+    return PyHessianReport(res, o, steps, time.perf_counter() - t0, str(device), notes)
+
+
+__all__ = ["MISSING", "PyHessianReport", "PyHessianResult", "measure", "prepare_model", "require_pyhessian",
+           "run_pyhessian", "steps_of"]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,7 @@ import typer
 
 from cemtool.cli import console
 from cemtool.cli.app import app
-from cemtool.cli.common import guarded, hold_run
+from cemtool.cli.common import guarded
 from cemtool.errors import CemtoolError, UsageError
 from cemtool.fileio import read_json
 from cemtool.writes import safe_name, to_json_value
@@ -276,13 +277,11 @@ def _options(**options):
 def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: str, name: str, quiet: bool,
                json_: bool) -> None:
     """--backend pyhessian: PyHessian's eigenvalues(), trace() and density() on the same model and tokens (the
-    cross-check backend: it writes its own report, sharpness_pyhessian)."""
-    from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # optional dependency: PyHessian
-    from cemtool.analysis.sharpness import report_name, tokens_note  # start-up (torch)
-    from cemtool.distributed import init_distributed
-    from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
-    from cemtool.subject import open_subject  # start-up: torch
-    from cemtool.train import pick_device  # start-up: torch
+    cross-check backend, the analysis sharpness_pyhessian: reports/sharpness_pyhessian.json), beside cemtool's own
+    report of the same tokens and parameters when there is one."""
+    from cemtool.analysis.pyhessian_backend import require_pyhessian, steps_of  # optional dependency: PyHessian
+    from cemtool.analysis.sharpness import report_name  # start-up (torch)
+    from cemtool.jobs import run_job  # start-up: torch
 
     if opts.hvp != "exact":
         raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
@@ -291,43 +290,21 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
         raise UsageError("--backend pyhessian with --top-k 0, --trace-hvps 0 and --density-runs 0 has nothing "
                          "to measure")
     require_pyhessian()  # an optional extra: say which one before the model is loaded
-    dev = pick_device(device)
-    if init_distributed(dev).world > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CemtoolError("--backend pyhessian runs in one process", hint="run it without torchrun")
-    hold_run(run)  # shared: train --force cannot move the run aside until its report is written
-    loaded = open_subject(run, checkpoint, device=dev, data=data)
-    tokens, params, dtype, seed = opts.tokens, opts.params, opts.dtype, opts.seed
-    top_k, trace_hvps, density_runs, density_steps = opts.top_k, opts.trace_hvps, opts.density_runs, opts.density_steps
-    batch_size = opts.batch_size
-    x, y = loaded.eval_set(tokens)
-    steps = tuple(s for s, on in (("eigenvalues", top_k > 0), ("trace", trace_hvps > 0),
-                                  ("density", density_runs > 0)) if on)  # a budget of 0 skips, as with cemtool
-    console.info(f"running PyHessian ({', '.join(steps)}; power iteration, Hutchinson with its own stopping rule, "
-                 "SLQ)", quiet)
-    t0 = time.perf_counter()
-    res = run_pyhessian(loaded.model, x, y, params=params, dtype=dtype, device=dev, batch_size=batch_size,
-                        top_k=max(top_k, 1), density_runs=max(density_runs, 1), density_steps=density_steps,
-                        seed=seed, steps=steps)
-    seconds = time.perf_counter() - t0
-    ckpt = loaded.checkpoint.name
-    payload = {"provenance": provenance(loaded.run.path, seed=seed, checkpoint=ckpt, step=loaded.step,
-                                        analysis="sharpness", backend="pyhessian", pyhessian=res.version,
-                                        tokens=res.tokens, device=str(dev)),
-               "params": params, "dtype": dtype, "seconds": seconds, "steps": list(steps),
-               "tokens_requested": tokens,
-               "notes": [tokens_note(tokens, res.tokens, int(x.shape[0]), int(x.shape[1]))] if tokens != res.tokens
-               else [], **asdict(res)}
-    rows = [{"quantity": "lambda_power_iteration", "index": i + 1, "value": v, "hvps": res.eigen_hvps,
-             "seconds": res.eigen_seconds, "tokens": res.tokens, "seed": seed} for i, v in enumerate(res.eigenvalues)]
-    if res.trace is not None:
-        rows.append({"quantity": "trace_hutchinson", "index": 0, "value": res.trace, "uncertainty": res.trace_se,
-                     "hvps": res.trace_hvps, "seconds": res.trace_seconds, "tokens": res.tokens, "seed": seed})
-    paths = write_report(loaded.run.reports, name, payload, rows)
+
+    def announce(subject) -> None:
+        console.info(f"running PyHessian ({', '.join(steps_of(opts))}; power iteration, Hutchinson with its own "
+                     "stopping rule, SLQ)", quiet)
+
+    job = run_job(run, "sharpness_pyhessian", opts, checkpoint=checkpoint, device=device, data=data,
+                  report_name=name, plots=False, on_open=announce)
+    res, payload, paths, seconds, params = job.report.result, job.payload, job.paths, job.report.seconds, opts.params
     if json_:
         console.print_json(to_json_value(payload))
         return
     ours = None
-    mine = loaded.run.reports / f"{report_name(replace(opts, per_layer=False))}.json"
+    mine = job.subject.reports / f"{report_name(replace(opts, per_layer=False))}.json"
     if mine.exists():
         rep = read_json(mine, "report")
         if rep.get("tokens") == res.tokens and rep.get("options", {}).get("params") == params:
