@@ -39,12 +39,12 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
+from cemtool.analysis.collapse_rows import layer_summary, report_rows
 from cemtool.analysis.probe import (
     DEFAULT_WORDS,
     MIN_PER_CLASS,
     ProbeClasses,
     ProbeSample,
-    fit_logistic,
     probe_accuracy,
     probe_classes,
     word_start_id,
@@ -437,92 +437,6 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
             "layers": layers}
 
 
-# --------------------------------------------------------------------------------------------------------------
-# flat rows (CSV) and the change across depth
-
-
-def _num(v) -> float | None:
-    return v if isinstance(v, (int, float)) else None
-
-
-def report_rows(report: dict, run: str = "", arch: str = "") -> list[dict]:
-    """Long-format rows: one per (layer, head, measure) with mean, std, se, n."""
-    rows = []
-
-    def add(layer, head, measure, mean, std=None, se=None, n=None):
-        rows.append({"run": run, "arch": arch, "layer": layer, "head": head, "measure": measure, "mean": mean,
-                     "std": std, "se": se, "n": n})
-
-    prev: dict[str, float] = {}
-    for e in report["layers"]:
-        i = e["layer"]
-        for kind in ("values", "hidden"):
-            d = e[kind]
-            if isinstance(d, str):
-                add(i, None, f"{kind}.entropy", d)
-                continue
-            for m in ("entropy", "erank_seq", "cosine"):
-                s = d[m]
-                add(i, None, f"{kind}.{m}", s["mean"], s["std"], s["se"], s["n"])
-            add(i, None, f"{kind}.erank_all", d["erank_all"])
-            for m in ("entropy", "erank_all", "cosine"):
-                cur = d[m]["mean"] if isinstance(d[m], dict) else d[m]
-                key = f"{kind}.{m}"
-                if key in prev and cur is not None and prev[key] is not None:
-                    add(i, None, f"{key}.change", cur - prev[key])
-                prev[key] = cur
-            for h, s in enumerate(d.get("entropy_per_head", [])):
-                add(i, h, f"{kind}.entropy", s["mean"], s["std"], s["se"], s["n"])
-        for kind, pr in e["probe"].items():
-            if isinstance(pr, str):
-                add(i, None, f"probe.{kind}", pr)
-            else:
-                add(i, None, f"probe.{kind}", pr["accuracy"], pr["std"], pr["se"], pr["n"])
-                add(i, None, f"probe.{kind}.chance", pr["chance"])
-        att = e["attention"]
-        if isinstance(att, str):
-            add(i, None, "attention.entropy", att)
-        else:
-            for hrow in att["per_head"]:
-                for f in ("entropy", "entropy_norm", "max_prob", "share_above_0.9", "logit_range"):
-                    add(i, hrow["head"], f"attention.{f}", hrow[f])
-    return rows
-
-
-def layer_summary(report: dict) -> list[dict]:
-    """One row per layer with the headline numbers (for the stdout table and comparisons)."""
-    out = []
-    for e in report["layers"]:
-        row: dict = {"layer": e["layer"]}
-        for kind, short in (("values", "v"), ("hidden", "h")):
-            d = e[kind]
-            row[f"{short}_entropy"] = d["entropy"]["mean"] if isinstance(d, dict) else None
-            row[f"{short}_entropy_se"] = d["entropy"]["se"] if isinstance(d, dict) else None
-            row[f"{short}_erank"] = d["erank_all"] if isinstance(d, dict) else None
-            row[f"{short}_cosine"] = d["cosine"]["mean"] if isinstance(d, dict) else None
-            pr = e["probe"][kind]
-            row[f"probe_{short}"] = pr["accuracy"] if isinstance(pr, dict) else None
-            row[f"probe_{short}_std"] = pr["std"] if isinstance(pr, dict) else None
-        att = e["attention"]
-        if isinstance(att, dict):
-            heads = att["per_head"]
-            row["attn_entropy_norm"] = _mean([h["entropy_norm"] for h in heads])
-            row["attn_max_prob"] = _mean([h["max_prob"] for h in heads])
-        else:
-            row["attn_entropy_norm"] = row["attn_max_prob"] = None
-        out.append(row)
-    return out
-
-
-def _mean(xs: list) -> float | None:
-    xs = [x for x in xs if _num(x) is not None]
-    return float(np.mean(xs)) if xs else None
-
-
-__all__ = ["DEFAULT_WORDS", "MIN_PER_CLASS", "Moments", "ProbeClasses", "attention_row_stats", "collapse_report",
-           "effective_rank", "effective_rank_from_singular", "fit_logistic", "gram_eigenvalues", "gram_entropy",
-           "layer_summary", "matrix_entropy", "mean_pairwise_cosine", "probe_accuracy", "probe_classes",
-           "renyi_entropy", "report_rows", "summarise_attention", "word_start_id"]
 
 
 @dataclass(frozen=True)
@@ -614,3 +528,10 @@ def all_rows(payload: dict) -> list[dict]:
         rows += routing_rows(r["routing"], r["label"], r["arch"])
         rows += stream_rows(r["stream_scalars"], r["label"], r["arch"])
     return rows
+
+
+__all__ = ["ATTN_FIELDS", "DEFAULT_WORDS", "MIN_PER_CLASS", "CollapseReport", "Moments", "Options", "ProbeClasses",
+           "all_rows", "attention_row_stats", "clean_spectrum", "collapse_report", "effective_rank",
+           "effective_rank_from_singular", "gram_eigenvalues", "gram_entropy", "kv_groups", "layer_summary",
+           "matrix_entropy", "mean_pairwise_cosine", "measure", "options_dict", "probe_accuracy", "probe_classes",
+           "renyi_entropy", "report_rows", "summarise_attention", "word_start_id"]
