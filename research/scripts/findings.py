@@ -542,12 +542,14 @@ PART_CLAIMS = {"grammar-muon": [claim4, claim5, claim6, claim7, claim8]}
 
 
 CLAIM9 = "9. Softmax saturation: diminishing returns in head dimension, stronger for long sequences"
-SATURATION_SAMPLE = Path(__file__).resolve().parents[2] / "research" / "sample_runs" / "study-saturation"  # the first study's
+# the first study's saturation sweep
+SATURATION_SAMPLE = Path(__file__).resolve().parents[2] / "research" / "sample_runs" / "study-saturation"
 
 
 def saturation_dirs(root: Path, part: str) -> list[Path]:
     """Where each part's saturation sweep is, first found first: the grammar part's is the n-gram sweep
-    (research/scripts/study.sh saturation: ROOT/saturation; else the first study's, research/sample_runs/study-saturation),
+    (research/scripts/study.sh saturation: ROOT/saturation; else the first study's,
+    research/sample_runs/study-saturation),
     the pydoc part's the sweep on its own text (ROOT/pydoc/saturation)."""
     return [root / "saturation", SATURATION_SAMPLE] if part == "grammar" else [root / part / "saturation"]
 
@@ -563,7 +565,8 @@ def saturation_row(root: Path, part: str = "grammar") -> dict:
         return pending(CLAIM9, "saturation theorem (qualitative)")
     rep = json.loads((src / "reports" / "saturation_sweep.json").read_text())
     opts = rep["provenance"]["options"]
-    shown = "research/sample_runs/study-saturation" if src == SATURATION_SAMPLE else os.path.relpath(src)  # as the docs cite it
+    # as the docs cite it
+    shown = "research/sample_runs/study-saturation" if src == SATURATION_SAMPLE else os.path.relpath(src)
     loss: dict[tuple[int, int], dict[int, float]] = {}
     for r in rep["results"]:
         if r.get("val_loss") is not None and math.isfinite(r["val_loss"]):

@@ -8,8 +8,8 @@ The blocks are the text between `<!-- NAME -->` and `<!-- /NAME -->`; everything
 TABLE: the grammar part's verdict table and its details. TUNING: the learning rates chosen and the compute lines of
 every part. MUON and PYDOC: those parts' tables and details (NOT_YET while the part has no finished comparison).
 AGREE: where each part's verdicts agree with the grammar part's. research/tests/test_findings.py checks that
-research/docs/findings.md equals what this writes from research/sample_runs/findings, so the document cannot drift from the
-runs it cites.
+research/docs/findings.md equals what this writes from research/sample_runs/findings, so the document cannot
+drift from the runs it cites.
 """
 
 from __future__ import annotations

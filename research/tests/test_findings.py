@@ -1,5 +1,6 @@
 """research/scripts/findings.py: its intervals against scipy, its decision rules, and its table against an independent
-recomputation from the runs' own records (research/sample_runs/findings, the study's light outputs in the repository)."""
+recomputation from the runs' own records (research/sample_runs/findings, the study's light outputs in the
+repository)."""
 
 import importlib.util
 import json
@@ -205,8 +206,8 @@ def test_agreement_compares_verdicts_without_their_reasons():
 
 def test_docs_findings_is_what_the_sample_runs_say(table):
     """Every generated block of research/docs/findings.md (the verdict tables, details, learning rates, compute and
-    wall time) equals what research/scripts/findings.py computes now from research/sample_runs/findings: the document cannot
-    cite numbers its runs do not give."""
+    wall time) equals what research/scripts/findings.py computes now from research/sample_runs/findings: the document
+    cannot cite numbers its runs do not give."""
     spec = importlib.util.spec_from_file_location("findings_doc", SCRIPTS / "findings_doc.py")
     doc_mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(doc_mod)
