@@ -6,9 +6,9 @@ Every .json, .jsonl and .csv file under OLD must exist under NEW with the same n
 compared value by value (numbers exactly, or within --tol relative), CSV cell by cell; with --text also .md and
 .txt line by line, their numbers compared the same way. What legitimately differs between two executions is left
 out: wall-clock times (keys containing "seconds", "time", "started", "ended", "created", "date", "eta"), versions
-and commits, the command line ("argv"), process ids, hostnames and thread counts, and the name of the temporary
-folder the outputs were made in. Figures (.png, .svg) are not compared. Prints one line per difference; exit 1
-when there is any.
+and commits, the command line ("argv"), process ids, hostnames, thread counts and the load average, and the name of
+the temporary folder the outputs were made in. Figures (.png, .svg) are not compared. Prints one line per
+difference; exit 1 when there is any.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 IGNORED = re.compile(r"seconds|time|started|ended|created|date|^eta$|versions|git_commit|^torch$|^python$|"
                      r"^cemtool$|platform|^argv$|^pid$|host|threads|sessions|^elapsed|per_second|throughput|"
-                     r"tokens_per_s|^total$|^numpy$|^transformers$|^rss", re.I)
+                     r"tokens_per_s|^total$|^numpy$|^transformers$|^rss|^wall_s$|^cpu_s$|load_average", re.I)
 TEMP = re.compile(r"cemtool-samples\.\w+|tmp\w{8}")  # the temporary folder a run was made in
 NUMBER = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
 
@@ -33,6 +33,13 @@ def same_number(a: float, b: float, tol: float) -> bool:
     if math.isnan(a) and math.isnan(b):
         return True
     return a == b or (tol > 0 and abs(a - b) <= tol * max(abs(a), abs(b)))
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 def diff_values(a, b, where: str, tol: float, out: list[str]) -> None:
@@ -54,6 +61,9 @@ def diff_values(a, b, where: str, tol: float, out: list[str]) -> None:
             out.append(f"{where}: {a!r} -> {b!r}")
     elif isinstance(a, str) and isinstance(b, str) and TEMP.sub("*", a) == TEMP.sub("*", b):
         return
+    elif isinstance(a, str) and isinstance(b, str) and _number(a) is not None and _number(b) is not None:
+        if not same_number(_number(a), _number(b), tol):  # a CSV cell
+            out.append(f"{where}: {a} -> {b}")
     elif a != b:
         out.append(f"{where}: {str(a)[:80]!r} -> {str(b)[:80]!r}")
 
