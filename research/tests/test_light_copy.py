@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from kit import TINY
 
 from cemtool.sweep import make_plan, run_sweep
-
-from conftest import TINY
 
 TOKENS = 30 * 8 * 16
 

@@ -1,0 +1,159 @@
+"""`cemtool sweep --jobs N`: items trained by N worker processes give the same numbers as one at a time, and a
+SIGTERM to the sweep stops its workers (no process left behind), after which the study resumes to the same
+numbers."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from kit import TINY
+
+from cemtool.sweep import make_plan, run_sweep
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TOKENS = 30 * 8 * 16  # TINY: 30 steps of 8 x 16 tokens
+ARCHS, SEEDS = "baseline,tmm", "0,1"
+COLLAPSE = ["-A", "collapse.tokens=2048", "-A", "collapse.per_class=16"]
+
+
+def sweep_cmd(out: Path, *extra: str, seeds: str = SEEDS) -> list[str]:
+    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", ARCHS, "--seeds", seeds, "--tokens", str(TOKENS),
+            "--analyses", "collapse", *COLLAPSE, "--out", str(out), "--device", "cpu", *extra]
+    for s in TINY:
+        args += ["--set", s]
+    return args
+
+
+def manifest(out: Path) -> dict:
+    return json.loads((out / "study.json").read_text())
+
+
+def children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (from /proc)."""
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def serial(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serial") / "study"
+    plan = make_plan(ARCHS, SEEDS, tokens=TOKENS, overrides=TINY, analyses="collapse",
+                     options={"collapse": {"tokens": 2048, "per_class": 16}})
+    return out, run_sweep(out, plan, device="cpu")
+
+
+def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
+    serial_dir, serial = serial
+    out = tmp_path / "study"
+    res = subprocess.run(sweep_cmd(out, "--jobs", "2"), env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "2 workers on cpu" in res.stdout + res.stderr
+    assert (res.stdout + res.stderr).count("training: completed at step 30") == 4  # every end, from study.json
+    m = manifest(out)
+    assert m["status"] == "completed"
+    assert [i["name"] for i in m["items"]] == [i["name"] for i in serial["items"]]
+    assert [i["val_loss"] for i in m["items"]] == [i["val_loss"] for i in serial["items"]]  # bit for bit
+    for it, ref in zip(m["items"], serial["items"], strict=True):
+        assert it["status"] == "completed" and it["step"] == 30 and it["params"] == ref["params"]
+        assert it["analyses"]["collapse"]["status"] == "completed"
+        got, want = (json.loads((d / it["run"] / "reports" / "collapse.json").read_text())["runs"][0]["collapse"]
+                     for d in (out, serial_dir))
+        assert got == want  # the analyses too
+    assert sorted(p.name for p in (out / ".claims").iterdir()) == sorted(i["name"] for i in m["items"])
+    # a rerun with workers finds nothing to do and says so, but checks the finished items as a serial rerun does:
+    # a report that went missing is made again
+    (out / "tmm-s1" / "reports" / "collapse.json").unlink()
+    again = subprocess.run(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "0 workers" in again.stdout + again.stderr
+    assert (out / "tmm-s1" / "reports" / "collapse.json").exists()
+    assert [i["val_loss"] for i in manifest(out)["items"]] == [i["val_loss"] for i in m["items"]]
+
+
+def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
+    serial = serial[1]
+    out = tmp_path / "study"
+    # 12 items of about a second each: after the first ends there is work left for both workers well past the
+    # Ctrl-C's grace time below (with 4 items a worker could finish its last one in that time and exit as it should)
+    seeds = "0,1,2,3,4,5"
+    cmd = sweep_cmd(out, "--jobs", "2", "-q", seeds=seeds)
+    # started as a script's background job is: SIGINT ignored, in its own process group
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    deadline, workers, tracker = time.time() + 300, set(), set()
+    while True:
+        assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()}"
+        assert time.time() < deadline, "no item completed"
+        # named by what they run: a worker runs multiprocessing's spawn_main, the resource tracker its own main;
+        # any other child (a git call, a child between fork and exec) is neither
+        for p in children(proc.pid):
+            line = cmdline(p)
+            if "spawn_main" in line:
+                workers.add(p)
+            elif "resource_tracker" in line:
+                tracker.add(p)
+        try:
+            done = [i for i in manifest(out)["items"] if i["status"] == "completed"]
+        except (FileNotFoundError, json.JSONDecodeError):
+            done = []
+        if done and len(workers) >= 2:
+            break
+        time.sleep(0.05)
+    assert len(workers) == 2
+    os.killpg(proc.pid, signal.SIGINT)  # a Ctrl-C the sweep ignores is ignored by its workers too
+    time.sleep(1.5)
+    assert proc.poll() is None and all(alive(p) for p in workers | tracker)  # every worker (and the tracker) runs
+    assert "interrupted" not in {i["status"] for i in manifest(out)["items"]}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert "interrupted" in proc.stderr.read()
+    assert not [p for p in workers if alive(p)]  # the sweep joined them
+    deadline = time.time() + 10  # the tracker exits when it sees its pipe close, just after the sweep
+    while [p for p in tracker if alive(p)] and time.time() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in tracker if alive(p)]  # nothing outlives the sweep
+    m = manifest(out)
+    assert m["status"] == "interrupted"
+    assert {i["status"] for i in m["items"]} <= {"completed", "interrupted", "pending"}
+    assert "running" not in {i["status"] for i in m["items"]}
+    assert "pending" in {i["status"] for i in m["items"]}  # stopped with work left, as meant
+    res = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    m = manifest(out)
+    assert m["status"] == "completed" and len(m["items"]) == 12
+    got = {i["name"]: i["val_loss"] for i in m["items"]}
+    assert {i["name"]: got[i["name"]] for i in serial["items"]} == {i["name"]: i["val_loss"] for i in serial["items"]}
+
+
+def test_bad_jobs_is_a_usage_error(tmp_path):
+    res = subprocess.run(sweep_cmd(tmp_path / "s", "--jobs", "0"), env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 2 and "--jobs" in res.stderr and "Traceback" not in res.stderr
