@@ -15,10 +15,49 @@ import torch  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from cemtool.cli.main import app  # noqa: E402
+from cemtool.config import replace, resolve  # noqa: E402
+from cemtool.data.corpus import load_corpus  # noqa: E402
+from cemtool.models.registry import build_model  # noqa: E402
+from cemtool.runs import create_run, open_run  # noqa: E402
+from cemtool.train import finalize_model_config, train  # noqa: E402
 
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+# --------------------------------------------------------------------------------------------------------------
+# tiny models and tokens (no data, no run directory)
+
+SIZE = {"d_model": 16, "n_layer": 2, "n_head": 2}  # the kit's model unless a test asks for another
+
+
+def tiny_config(arch: str = "baseline", *sets: str, vocab: int = 40, seq_len: int = 12, **model):
+    """The ModelConfig of ``arch`` at the kit's size: SIZE updated by ``model`` (model fields, e.g. d_model=32;
+    None keeps the preset's value), then the overrides ``sets``; vocab_size and max_seq_len set directly."""
+    fields = {k: v for k, v in {**SIZE, **model}.items() if v is not None}
+    cfg = resolve(arch=arch, overrides=[*(f"model.{k}={v}" for k, v in fields.items()), *sets])
+    return replace(cfg.model, vocab_size=vocab, max_seq_len=seq_len)
+
+
+def tiny_model(arch: str = "baseline", *sets: str, seed: int = 0, dtype: torch.dtype | None = None,
+               **config) -> torch.nn.Module:
+    """A freshly initialised model of tiny_config(arch, *sets, **config), torch's global seed set to ``seed``
+    first (in train mode, as build_model returns it)."""
+    cfg = tiny_config(arch, *sets, **config)
+    torch.manual_seed(seed)
+    model = build_model(cfg)
+    return model if dtype is None else model.to(dtype)
+
+
+def tiny_tokens(n: int, seq_len: int, vocab: int, seed: int = 0, targets: bool = True):
+    """Uniform random token ids from their own generator: (inputs, next-token targets) of n x seq_len, or with
+    targets=False one n x seq_len batch."""
+    g = torch.Generator().manual_seed(seed)
+    if not targets:
+        return torch.randint(0, vocab, (n, seq_len), generator=g)
+    idx = torch.randint(0, vocab, (n, seq_len + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
 
 # --------------------------------------------------------------------------------------------------------------
 # tiny runs: 30 steps of 8 x 16 tokens of a small text
@@ -33,6 +72,28 @@ TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "Is it? Are they? 
 def set_args(*overrides: str) -> list[str]:
     """['--set', o1, '--set', o2, ...]: config overrides as command-line options."""
     return [a for s in overrides for a in ("--set", s)]
+
+
+def tiny_setup(text_file: str, *extra: str, arch: str = "baseline", base: tuple[str, ...] | list[str] = TINY):
+    """(config, corpus) of a tiny byte-level run on ``text_file``: ``base`` + data.tokenizer=byte + ``extra``,
+    its model config finalised from the corpus (as `cemtool train` does)."""
+    cfg = resolve(arch=arch, overrides=[*base, "data.tokenizer=byte", *extra], data_source=text_file)
+    corpus = load_corpus(cfg.data)
+    return finalize_model_config(cfg, corpus), corpus
+
+
+def tiny_train(path, cfg, corpus, *, stop_after: int | None = None, resume: bool = False, **create):
+    """Train ``cfg`` in process into the run at ``path`` (created with the corpus's tokenizer and ``create``'s
+    create_run options, or reopened with resume=True), unlocked afterwards; returns the TrainResult."""
+    if resume:
+        run = open_run(path, lock=True)
+    else:
+        run = create_run(path, cfg, **create)
+        corpus.tokenizer.save(run.path / "tokenizer.json")
+    try:
+        return train(cfg, corpus, run, device="cpu", stop_after=stop_after, resume=resume)
+    finally:
+        run.unlock()
 
 
 def train_tiny(out, arch: str = "baseline", data: str | None = None, extra: list[str] | None = None) -> str:

@@ -5,7 +5,7 @@ import pickle
 import shutil
 
 import pytest
-from kit import TINY
+from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -18,10 +18,7 @@ def invoke(*args):
 
 
 def tiny_sets(*extra):
-    out = []
-    for s in [*TINY, *extra]:
-        out += ["--set", s]
-    return out
+    return set_args(*TINY, *extra)
 
 
 def command_names():

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit import TINY, one_line_error
+from kit import TINY, one_line_error, tiny_setup
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -92,10 +92,7 @@ def _same(a, b):
 
 def test_event_file_holds_exactly_the_metrics_rows_also_after_a_resume(tmp_path, text_file):
     pytest.importorskip("tensorboard")
-    cfg = resolve(overrides=[*SMALL, "train.ckpt_every=5", "train.eval_every=5", "train.log_every=2"],
-                  data_source=text_file)
-    corpus = load_corpus(cfg.data)
-    cfg = finalize_model_config(cfg, corpus)
+    cfg, corpus = tiny_setup(text_file, "train.ckpt_every=5", "train.eval_every=5", "train.log_every=2", base=SMALL)
     path = tmp_path / "r"
     run = create_run(path, cfg, tokenizer=corpus.tokenizer)
     try:  # killed after step 12: metrics.jsonl has rows up to step 12, the newest checkpoint is step 10

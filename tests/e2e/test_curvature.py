@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY
+from kit import TINY, set_args, tiny_setup, tiny_train
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -21,34 +21,18 @@ from cemtool.analysis.curvature import (
 from cemtool.analysis.hessian import DenseOperator, lanczos
 from cemtool.cli.main import app
 from cemtool.config import resolve
-from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError, ConfigError
-from cemtool.runs import create_run
-from cemtool.train import finalize_model_config, train
 
 TRACK = ["train.max_steps=20", "train.curvature_every=10", "train.curvature_tokens=32", "train.curvature_steps=16",
          "train.curvature_trace=4", "train.curvature_precond=true", "train.ckpt_every=10"]
 
 
 def _setup(text_file, extra=()):
-    cfg = resolve(overrides=[*TINY, "data.tokenizer=byte", *extra], data_source=text_file)
-    corpus = load_corpus(cfg.data)
-    return finalize_model_config(cfg, corpus), corpus
+    return tiny_setup(text_file, *extra)
 
 
 def _train(path: Path, text_file: str, extra=(), stop_after=None, resume=False):
-    cfg, corpus = _setup(text_file, extra)
-    if resume:
-        from cemtool.runs import open_run
-
-        run = open_run(path)
-    else:
-        run = create_run(path, cfg)
-        corpus.tokenizer.save(run.path / "tokenizer.json")
-    try:
-        train(cfg, corpus, run, device="cpu", stop_after=stop_after, resume=resume)
-    finally:
-        run.unlock()
+    tiny_train(path, *_setup(text_file, extra), stop_after=stop_after, resume=resume)
     return path
 
 
@@ -177,9 +161,8 @@ def test_preconditioned_operator_has_the_eigenvalues_of_DH():
 @pytest.mark.parametrize("spec, words", [("nomatch*", "matches no parameter"), ("layer:9", "has no layer 9")])
 def test_subset_matching_nothing_is_one_line_before_any_run(tmp_path, text_file, spec, words):
     out = tmp_path / "r"
-    args = ["train", "--data", text_file, "--out", str(out), "--quiet", "--device", "cpu"]
-    for s in [*TINY, "data.tokenizer=byte", "train.curvature_every=5", f"train.curvature_params={spec}"]:
-        args += ["--set", s]
+    args = ["train", "--data", text_file, "--out", str(out), "--quiet", "--device", "cpu",
+            *set_args(*TINY, "data.tokenizer=byte", "train.curvature_every=5", f"train.curvature_params={spec}")]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 1
     lines = res.output.strip().splitlines()  # one error line (and its hint), no traceback

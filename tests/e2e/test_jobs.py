@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit import TINY
+from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool import jobs
@@ -98,7 +98,7 @@ def test_a_registered_analysis_runs_through_run_job(toy, tiny_run, tmp_path):
 def test_a_registered_analysis_runs_from_sweep(toy, tmp_path):
     from cemtool.cli.main import app
 
-    sets = [a for s in TINY for a in ("--set", s)]
+    sets = set_args(*TINY)
     out = tmp_path / "study"
     bad = CliRunner().invoke(app, ["sweep", "--archs", "baseline", "--tokens", str(30 * 8 * 16), *sets, "--out",
                                    str(out), "--analyses", "toy", "-A", "toy.x=-2", "-q"])

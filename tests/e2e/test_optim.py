@@ -4,16 +4,15 @@ import re
 
 import pytest
 import torch
-from kit import TINY
+from kit import tiny_model, tiny_setup
 
 from cemtool.checkpoints import find_checkpoint, read_checkpoint, save_checkpoint
-from cemtool.config import TrainConfig, replace, resolve
-from cemtool.data.corpus import load_corpus
+from cemtool.config import TrainConfig, resolve
 from cemtool.errors import ConfigError
-from cemtool.models import build_model, lm_loss
+from cemtool.models import lm_loss
 from cemtool.optim import Combined, make_optimizer
 from cemtool.runs import Run, create_run, open_run
-from cemtool.train import finalize_model_config, train
+from cemtool.train import train
 
 CPU = torch.device("cpu")
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.(wq|wk|wv|wo)|mlp\.(up|gate|down))\.weight")  # the blocks' projections
@@ -21,9 +20,7 @@ MUON = TrainConfig(optimizer="muon", lr=1e-3, muon_lr=0.02, weight_decay=0.1)
 
 
 def model_of(arch: str, *extra: str):
-    torch.manual_seed(0)
-    cfg = resolve(arch=arch, overrides=["model.n_layer=2", "model.d_model=16", "model.n_head=2", *extra])
-    return build_model(replace(cfg.model, vocab_size=24, max_seq_len=8))
+    return tiny_model(arch, *extra, vocab=24, seq_len=8)
 
 
 def groups_of(opt) -> dict[str, dict]:
@@ -118,10 +115,8 @@ def test_plain_adamw_state_is_refused_by_a_muon_run():
 def test_muon_run_killed_and_resumed_is_bit_exact(tmp_path, text_file):
     """A muon run stopped after step 15 (checkpoint at 10: steps 11-15 are lost, as in a kill) and resumed in a
     fresh model and optimizer ends with the same weights and losses as an uninterrupted run."""
-    cfg = resolve(arch="tmm", overrides=[*TINY, "data.tokenizer=byte", "train.optimizer=muon", "train.muon_lr=0.01",
-                                         "train.ckpt_every=10", "train.eval_every=10"], data_source=text_file)
-    corpus = load_corpus(cfg.data)
-    cfg = finalize_model_config(cfg, corpus)
+    cfg, corpus = tiny_setup(text_file, "train.optimizer=muon", "train.muon_lr=0.01", "train.ckpt_every=10",
+                             "train.eval_every=10", arch="tmm")
 
     ref = create_run(tmp_path / "ref", cfg, argv=[])
     train(cfg, corpus, ref, device="cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY, one_line_error
+from kit import TINY, one_line_error, set_args, tiny_setup
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -186,8 +186,8 @@ def test_only_forged_step_checkpoints_is_one_line_and_leaves_meta(tmp_path, tiny
 # item 18: SIGINT and SIGTERM checkpoint at the step they interrupt
 
 
-LONG = [a for s in [*TINY, "data.tokenizer=byte", "train.max_steps=120", "train.eval_every=60",
-                    "train.ckpt_every=25", "train.log_every=5"] for a in ("--set", s)]
+LONG = set_args(*TINY, "data.tokenizer=byte", "train.max_steps=120", "train.eval_every=60", "train.ckpt_every=25",
+                "train.log_every=5")
 
 
 def _logged_step(run: Path) -> int:
@@ -299,8 +299,6 @@ def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, text_file):
     """A SIGTERM that lands in the last step (or the final save) cannot stop training early: the run completes, and
     then the process's own handler gets the signal (a sweep worker then stops instead of taking the next item; the
     CI failure of the merged issue-20 branches, where such a worker ran the whole study to its end)."""
-    from test_train import _tiny
-
     from cemtool.train import train
 
     class Stopped(Exception):
@@ -309,7 +307,7 @@ def test_a_signal_during_the_last_step_is_not_swallowed(tmp_path, text_file):
     def handler(signum, frame):
         raise Stopped
 
-    cfg, corpus = _tiny(text_file)
+    cfg, corpus = tiny_setup(text_file)
     run = create_run(tmp_path / "r", cfg, extra_meta={"corpus": corpus.info})
     corpus.tokenizer.save(run.path / "tokenizer.json")
     total = cfg.train.max_steps

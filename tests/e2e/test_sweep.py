@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import TINY
+from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool.analysis.compute import arch_row
@@ -24,10 +24,7 @@ TOKENS = 30 * 8 * 16  # TINY: 30 steps of 8 x 16 tokens
 
 
 def sets(*extra):
-    out = []
-    for s in [*TINY, *extra]:
-        out += ["--set", s]
-    return out
+    return set_args(*TINY, *extra)
 
 
 def app():

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import TINY
+from kit import TINY, set_args
 
 from cemtool.sweep import make_plan, run_sweep
 
@@ -24,9 +24,7 @@ COLLAPSE = ["-A", "collapse.tokens=2048", "-A", "collapse.per_class=16"]
 def sweep_cmd(out: Path, *extra: str, seeds: str = SEEDS) -> list[str]:
     args = [sys.executable, "-m", "cemtool", "sweep", "--archs", ARCHS, "--seeds", seeds, "--tokens", str(TOKENS),
             "--analyses", "collapse", *COLLAPSE, "--out", str(out), "--device", "cpu", *extra]
-    for s in TINY:
-        args += ["--set", s]
-    return args
+    return args + set_args(*TINY)
 
 
 def manifest(out: Path) -> dict:

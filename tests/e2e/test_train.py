@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY
+from kit import TINY, set_args, tiny_config, tiny_setup
 from safetensors.torch import load_file
 
-from cemtool.config import TrainConfig, resolve
+from cemtool.config import TrainConfig
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
 from cemtool.runs import create_run, open_run
 from cemtool.subject import open_subject
-from cemtool.train import NonFiniteLoss, finalize_model_config, lr_at, make_optimizer, train
+from cemtool.train import NonFiniteLoss, lr_at, make_optimizer, train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -31,10 +31,7 @@ def cli(*args, check=True, **kw):
 
 
 def sets(extra=()):
-    out = []
-    for s in [*TINY, "data.tokenizer=byte", *extra]:
-        out += ["--set", s]
-    return out
+    return set_args(*TINY, "data.tokenizer=byte", *extra)
 
 
 def metrics(run):
@@ -152,9 +149,7 @@ def test_ddp_two_processes_match_one(tmp_path, text_file):
 def test_non_finite_loss_marks_failed_and_keeps_checkpoint(tmp_path, text_file, monkeypatch):
     import cemtool.train as tr
 
-    cfg = resolve(overrides=[*TINY, "data.tokenizer=byte", "train.ckpt_every=10"], data_source=text_file)
-    corpus = load_corpus(cfg.data)
-    cfg = finalize_model_config(cfg, corpus)
+    cfg, corpus = tiny_setup(text_file, "train.ckpt_every=10")
     run = create_run(tmp_path / "r", cfg)
     corpus.tokenizer.save(run.path / "tokenizer.json")
     real = tr.lm_loss
@@ -202,19 +197,13 @@ def test_eval_rows_bits_per_byte_perplexity_epochs_and_step0(tiny_run):
     assert meta["val_bpb"] == pytest.approx(evals[-1]["val_bpb"]) and meta["epochs"] > 0
 
 
-def _tiny(text_file, *extra):
-    cfg = resolve(overrides=[*TINY, "data.tokenizer=byte", *extra], data_source=text_file)
-    corpus = load_corpus(cfg.data)
-    return finalize_model_config(cfg, corpus), corpus
-
-
 def test_checkpoints_hold_only_weights_that_resume(tmp_path, text_file, monkeypatch):
     """issue 10 item 8: a huge learning rate broke the weights in the step after the loss check, and that step's
     checkpoint became "the last good one", from which --resume failed at once. Now a checkpoint is written only
     for finite weights whose loss on the next batch is finite."""
     import cemtool.train as tr
 
-    cfg, corpus = _tiny(text_file, "train.ckpt_every=1", "train.keep_checkpoints=50")
+    cfg, corpus = tiny_setup(text_file, "train.ckpt_every=1", "train.keep_checkpoints=50")
     run = create_run(tmp_path / "r", cfg)
     corpus.tokenizer.save(run.path / "tokenizer.json")
     real = tr.lr_at
@@ -242,7 +231,7 @@ def test_resume_refuses_changed_data_unless_allowed(tmp_path, text_file):
 
     data = tmp_path / "data.txt"
     data.write_text(Path(text_file).read_text())
-    cfg, corpus = _tiny(str(data), "train.ckpt_every=5")
+    cfg, corpus = tiny_setup(str(data), "train.ckpt_every=5")
     run = create_run(tmp_path / "r", cfg, extra_meta={"corpus": corpus.info})
     corpus.tokenizer.save(run.path / "tokenizer.json")
     assert train(cfg, corpus, run, device="cpu", stop_after=5).status == "interrupted"
@@ -266,7 +255,7 @@ def test_every_session_of_a_resumed_run_is_recorded(tmp_path, text_file):
 
     from cemtool.cli.main import app
 
-    cfg, corpus = _tiny(text_file, "train.ckpt_every=5")
+    cfg, corpus = tiny_setup(text_file, "train.ckpt_every=5")
     run = create_run(tmp_path / "r", cfg, extra_meta={"corpus": corpus.info})
     corpus.tokenizer.save(run.path / "tokenizer.json")
     assert train(cfg, corpus, run, device="cpu", stop_after=7).status == "interrupted"
@@ -327,13 +316,11 @@ def test_absurd_model_refused_with_estimate_before_allocating(tmp_path, tiny_run
 
 def test_parameter_count_estimates_match_every_architecture():
     """count_params (built on the meta device) is exact and rough_params an upper bound, for every family."""
-    from cemtool.config import replace
     from cemtool.models.registry import archs, build_model
     from cemtool.train import count_params, rough_params
 
     for name in archs():
-        m = replace(resolve(arch=name, overrides=["model.d_model=32", "model.n_head=2", "model.n_layer=2"]),
-                    **{"model.vocab_size": 300, "model.max_seq_len": 32}).model
+        m = tiny_config(name, d_model=32, vocab=300, seq_len=32)
         model = build_model(m)
         exact = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
         assert count_params(m) == exact, name

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import tiny_config
 
 from cemtool.config import ModelConfig, replace, resolve
 from cemtool.errors import ConfigError
@@ -63,8 +64,7 @@ def test_describe_allocation_reports_budgets():
 
 
 def tiny(arch: str = "baseline", *overrides: str):
-    cfg = resolve(arch=arch, overrides=["model.d_model=32", "model.n_layer=2", *overrides])
-    return replace(cfg.model, vocab_size=50, max_seq_len=16)
+    return tiny_config(arch, *overrides, d_model=32, n_head=None, vocab=50, seq_len=16)
 
 
 def test_explicit_lists_shape_the_built_model():

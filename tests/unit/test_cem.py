@@ -8,9 +8,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import tiny_config, tiny_model
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
-from cemtool.config import replace, resolve
 from cemtool.models import build_model, capture
 from cemtool.models.cem import CEMMLP, CEMAttention, CEMBlock, Preconditioner, antiderivative
 from cemtool.models.layers import attention_impl, mlp_hidden
@@ -19,11 +19,6 @@ from cemtool.runs import Run
 
 PRESETS = ["cem", "cem-dplr", "cem-precond", "cem-rec2", "cem-full", "cem-untied", "cem-selfgate"]
 V, S = 40, 12
-
-
-def model_cfg(arch: str, *extra: str):
-    cfg = resolve(arch=arch, overrides=["model.n_layer=2", "model.d_model=16", "model.n_head=2", *extra])
-    return replace(cfg.model, vocab_size=V, max_seq_len=S)
 
 
 def perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -41,11 +36,10 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 _MODELS: dict[str, torch.nn.Module] = {}
 
 
-def tiny_model(arch: str, dtype=torch.float64) -> torch.nn.Module:
+def generic_model(arch: str, dtype=torch.float64) -> torch.nn.Module:
     key = f"{arch}:{dtype}"
     if key not in _MODELS:
-        torch.manual_seed(0)
-        _MODELS[key] = perturb(build_model(model_cfg(arch))).to(dtype).eval()
+        _MODELS[key] = perturb(tiny_model(arch, seed=0)).to(dtype).eval()
     return _MODELS[key]
 
 
@@ -57,7 +51,7 @@ def tiny_model(arch: str, dtype=torch.float64) -> torch.nn.Module:
 @settings(max_examples=8, deadline=None)
 @given(data=st.data())
 def test_causal(arch, data):
-    model = tiny_model(arch)
+    model = generic_model(arch)
     idx = torch.tensor([data.draw(st.lists(st.integers(0, V - 1), min_size=S, max_size=S))])
     t = data.draw(st.integers(0, S - 1))
     new = data.draw(st.integers(0, V - 1))
@@ -73,7 +67,7 @@ def test_causal(arch, data):
 @pytest.mark.parametrize("arch", PRESETS)
 def test_finite_and_learns(arch):
     torch.manual_seed(0)
-    model = build_model(model_cfg(arch))
+    model = build_model(tiny_config(arch))
     x = torch.randint(0, V, (4, S + 1), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -91,10 +85,10 @@ def test_finite_and_learns(arch):
 
 @pytest.mark.parametrize("arch", PRESETS)
 def test_save_load_roundtrip(arch, tmp_path):
-    model = tiny_model(arch, torch.float32)
+    model = generic_model(arch, torch.float32)
     save_checkpoint(Run(tmp_path), "final", model, step=3)
     torch.manual_seed(123)
-    fresh = build_model(model_cfg(arch)).eval()
+    fresh = build_model(tiny_config(arch)).eval()
     load_weights(fresh, read_checkpoint(tmp_path / "checkpoints" / "final.safetensors"))
     idx = torch.randint(0, V, (2, S))
     with torch.no_grad():
@@ -103,7 +97,7 @@ def test_save_load_roundtrip(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["cem", "cem-full", "cem-dplr"])
 def test_fused_and_explicit_models_agree(arch):
-    model = tiny_model(arch)
+    model = generic_model(arch)
     idx = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), attention_impl("fused"):
         a = model(idx)
@@ -114,7 +108,7 @@ def test_fused_and_explicit_models_agree(arch):
 
 @pytest.mark.parametrize("arch", ["cem-rec2", "cem-untied"])
 def test_capture_points(arch):
-    model = tiny_model(arch)
+    model = generic_model(arch)
     idx = torch.randint(0, V, (2, S))
     with capture(model, ["blocks.*.attn.v", "blocks.*.attn.pattern", "blocks.*.resid_post",
                          "blocks.*.resid_mid"]) as cache:
@@ -135,7 +129,7 @@ def test_capture_points(arch):
 
 def test_block_runs_the_documented_steps():
     """forward = T steps of y += eta_t P u(LN(y)) for attention then MLP, c = LN_c(x) fixed."""
-    model = tiny_model("cem-full")
+    model = generic_model("cem-full")
     block = model.blocks[0]
     x = torch.randn(2, S, 16, dtype=torch.float64)
     c = block.ln_c(x)
@@ -151,7 +145,7 @@ def test_block_runs_the_documented_steps():
 
 def test_step_sizes_and_preconditioner_init():
     torch.manual_seed(0)
-    model = build_model(model_cfg("cem-full", "model.cem.step_init=0.25"))
+    model = build_model(tiny_config("cem-full", "model.cem.step_init=0.25"))
     for block in model.blocks:
         for eta in block.step_sizes().values():
             torch.testing.assert_close(eta, torch.full((2,), 0.25))
@@ -348,10 +342,10 @@ def sublayer_params(m: torch.nn.Module) -> int:
 def test_tied_attention_has_half_the_parameters():
     extra = ("model.d_model=24", "model.n_head=3", "model.head_dim=6")  # H d_h != d on purpose
     d, H, dh = 24, 3, 6
-    base = build_model(model_cfg("baseline", *extra))
-    cem = build_model(model_cfg("cem", *extra))
-    dplr = build_model(model_cfg("cem-dplr", *extra))
-    untied = build_model(model_cfg("cem-untied", *extra))
+    base = build_model(tiny_config("baseline", *extra))
+    cem = build_model(tiny_config("cem", *extra))
+    dplr = build_model(tiny_config("cem-dplr", *extra))
+    untied = build_model(tiny_config("cem-untied", *extra))
     assert sublayer_params(base.blocks[0].attn) == 4 * d * H * dh
     assert sublayer_params(cem.blocks[0].attn) == 2 * d * H * dh
     assert sublayer_params(dplr.blocks[0].attn) == 2 * d * H * dh + H * d
@@ -367,7 +361,7 @@ def test_model_parameter_count_formula(arch):
     extra = ["model.d_model=24", "model.n_head=3", "model.head_dim=6", "model.n_layer=3"]
     if arch == "cem-gelu-learned":
         arch, extra = "cem-full", extra + ["model.mlp=gelu", "model.pos=learned", "model.norm=layernorm"]
-    cfg = model_cfg(arch, *extra)
+    cfg = tiny_config(arch, *extra)
     d, H, dh, L, c = 24, 3, 6, 3, cfg.cem
     m = mlp_hidden(d, cfg.mlp, 0)
     norm = d if cfg.norm == "rmsnorm" else 2 * d
@@ -382,4 +376,4 @@ def test_model_parameter_count_formula(arch):
 
 
 def test_block_type():
-    assert isinstance(build_model(model_cfg("cem")).blocks[0], CEMBlock)
+    assert isinstance(build_model(tiny_config("cem")).blocks[0], CEMBlock)

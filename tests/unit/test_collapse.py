@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from kit import tiny_model
 
 from cemtool.analysis.collapse import (
     Moments,
@@ -24,17 +25,13 @@ from cemtool.analysis.collapse import (
     summarise_attention,
 )
 from cemtool.analysis.routing import lime_routing, router_summary, stream_scalars
-from cemtool.config import replace, resolve
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
-from cemtool.models import build_model, capture
+from cemtool.models import capture
 
 
 def tiny(arch="baseline", extra=(), vocab=40, T=12, dtype=torch.float64):
-    cfg = resolve(arch=arch, overrides=["model.d_model=16", "model.n_layer=2", "model.n_head=2", *extra])
-    torch.manual_seed(0)
-    model = build_model(replace(cfg.model, vocab_size=vocab, max_seq_len=T)).to(dtype)
-    return model.eval()
+    return tiny_model(arch, *extra, vocab=vocab, seq_len=T, dtype=dtype).eval()
 
 
 # -- matrix entropy ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from kit import tiny_model, tiny_tokens
 from torch.func import functional_call
 
 from cemtool import memory
@@ -22,25 +23,18 @@ from cemtool.analysis.hessian import (
     xtrace,
 )
 from cemtool.analysis.pyhessian_backend import run_pyhessian
-from cemtool.config import replace, resolve
 from cemtool.errors import CemtoolError
-from cemtool.models import archs, attention_impl, build_model, lm_loss
+from cemtool.models import archs, attention_impl, lm_loss
 
 V, T = 16, 8
 
 
 def tiny(arch: str = "baseline", d: int = 16, n_layer: int = 1, **over) -> torch.nn.Module:
-    sets = [f"model.d_model={d}", f"model.n_layer={n_layer}", "model.n_head=2", "model.mlp_hidden=16"]
-    sets += [f"model.{k}={v}" for k, v in over.items()]
-    cfg = resolve(arch=arch, overrides=sets)
-    torch.manual_seed(0)
-    return build_model(replace(cfg.model, vocab_size=V, max_seq_len=T))
+    return tiny_model(arch, d_model=d, n_layer=n_layer, mlp_hidden=16, **over, vocab=V, seq_len=T)
 
 
 def tokens(n: int = 4, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, V, (n, T + 1), generator=g)
-    return idx[:, :-1], idx[:, 1:]
+    return tiny_tokens(n, T, V, seed)
 
 
 def dense_hessian(model: torch.nn.Module, x, y, names: list[str]) -> torch.Tensor:

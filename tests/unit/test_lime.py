@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import tiny_config, tiny_model, tiny_tokens
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import TrainConfig, replace, resolve
@@ -23,17 +24,16 @@ V, T = 50, 12
 
 
 def tiny(arch: str, *overrides: str, n_layer: int = 3):
-    cfg = resolve(arch=arch, overrides=["model.d_model=32", f"model.n_layer={n_layer}", *overrides])
-    return replace(cfg.model, vocab_size=V, max_seq_len=16)
+    return tiny_config(arch, *overrides, d_model=32, n_layer=n_layer, n_head=None, vocab=V, seq_len=16)
 
 
 def built(arch: str, *overrides: str, seed: int = 0, n_layer: int = 3):
-    torch.manual_seed(seed)
-    return build_model(tiny(arch, *overrides, n_layer=n_layer)).double()
+    return tiny_model(arch, *overrides, seed=seed, dtype=torch.float64, d_model=32, n_layer=n_layer, n_head=None,
+                      vocab=V, seq_len=16)
 
 
 def tokens(B: int = 2, seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    return tiny_tokens(B, T, V, seed, targets=False)
 
 
 _MODELS: dict[str, torch.nn.Module] = {}

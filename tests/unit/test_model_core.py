@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import tiny_model
 
 from cemtool.config import replace, resolve
 from cemtool.models import attention_impl, build_model, capture, causal_attention, flops_per_token, hook_points
@@ -14,9 +15,7 @@ VOCAB, T = 40, 12
 
 
 def tiny(*sets, arch="baseline"):
-    cfg = resolve(arch=arch, overrides=["model.n_layer=2", "model.d_model=32", "model.n_head=4", *sets])
-    torch.manual_seed(0)
-    return build_model(replace(cfg.model, vocab_size=VOCAB, max_seq_len=T))
+    return tiny_model(arch, *sets, d_model=32, n_head=4, vocab=VOCAB, seq_len=T)
 
 
 def test_core_fused_equals_explicit_and_dense_reference():

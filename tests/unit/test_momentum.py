@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kit import tiny_config, tiny_model, tiny_tokens
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import replace, resolve
@@ -23,18 +24,15 @@ STREAM_VARIANTS = [v for v in VARIANTS if v != "vanilla"]
 
 
 def model_cfg(arch: str, *extra: str, init: str = "embed"):
-    cfg = resolve(arch=arch, overrides=["model.d_model=16", "model.n_head=2", "model.n_layer=2",
-                                        f"model.momentum.stream_init={init}", *extra])
-    return replace(cfg.model, vocab_size=V, max_seq_len=T)
+    return tiny_config(arch, f"model.momentum.stream_init={init}", *extra, vocab=V, seq_len=T)
 
 
 def build(arch: str, *extra: str, init: str = "embed", seed: int = 0, dtype=torch.float64):
-    torch.manual_seed(seed)
-    return build_model(model_cfg(arch, *extra, init=init)).to(dtype)
+    return tiny_model(arch, f"model.momentum.stream_init={init}", *extra, seed=seed, dtype=dtype, vocab=V, seq_len=T)
 
 
 def tokens(seed: int = 0, B: int = 2) -> torch.Tensor:
-    return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
+    return tiny_tokens(B, T, V, seed, targets=False)
 
 
 # --------------------------------------------------------------------------------------------------------------

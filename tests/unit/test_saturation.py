@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from kit import tiny_model, tiny_tokens
 from typer.testing import CliRunner
 
 import cemtool.data.synthetic as syn
@@ -30,16 +31,13 @@ from cemtool.cli.main import app
 from cemtool.config import DataConfig, replace, resolve, to_dict
 from cemtool.data.corpus import load_corpus, windows
 from cemtool.errors import CemtoolError
-from cemtool.models import build_model
 from cemtool.models.allocation import layer_shapes
 from cemtool.models.layers import apply_rope, rope_tables
 
 
 def tiny(arch="baseline", extra=(), vocab=30, T=10):
     """A small float64 model whose query/key weights are scaled up so that attention is far from uniform."""
-    cfg = resolve(arch=arch, overrides=["model.d_model=16", "model.n_layer=2", "model.n_head=2", *extra])
-    torch.manual_seed(0)
-    model = build_model(replace(cfg.model, vocab_size=vocab, max_seq_len=T)).double().eval()
+    model = tiny_model(arch, *extra, vocab=vocab, seq_len=T, dtype=torch.float64).eval()
     with torch.no_grad():
         for b in model.blocks:
             b.attn.wq.weight.mul_(15.0)
@@ -48,8 +46,7 @@ def tiny(arch="baseline", extra=(), vocab=30, T=10):
 
 
 def data(n=6, T=10, vocab=30, seed=0):
-    x = torch.randint(0, vocab, (n, T + 1), generator=torch.Generator().manual_seed(seed))
-    return x[:, :-1], x[:, 1:]
+    return tiny_tokens(n, T, vocab, seed)
 
 
 # -- the truncations ----------------------------------------------------------------------------------------------

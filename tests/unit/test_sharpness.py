@@ -9,6 +9,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
+from kit import tiny_model, tiny_tokens
 from torch.func import functional_call
 
 from cemtool.analysis.hessian import Objective
@@ -22,23 +23,18 @@ from cemtool.analysis.sharpness import (
     measure_sharpness,
     sam_sharpness,
 )
-from cemtool.config import replace, resolve
 from cemtool.errors import CemtoolError
-from cemtool.models import attention_impl, build_model, lm_loss
+from cemtool.models import attention_impl, lm_loss
 
 V, T = 16, 8
 
 
 def tiny() -> torch.nn.Module:
-    cfg = resolve(arch="baseline", overrides=["model.d_model=16", "model.n_layer=1", "model.n_head=2",
-                                              "model.mlp_hidden=16"])
-    torch.manual_seed(0)
-    return build_model(replace(cfg.model, vocab_size=V, max_seq_len=T))
+    return tiny_model("baseline", n_layer=1, mlp_hidden=16, vocab=V, seq_len=T)
 
 
 def tokens(n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    idx = torch.randint(0, V, (n, T + 1), generator=torch.Generator().manual_seed(1))
-    return idx[:, :-1], idx[:, 1:]
+    return tiny_tokens(n, T, V, seed=1)
 
 
 def dense_hessian(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
