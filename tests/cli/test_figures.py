@@ -11,7 +11,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
-from kit import one_line_error, train_tiny
+from kit import one_line_error
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from typer.testing import CliRunner
 
@@ -28,10 +28,31 @@ UNITS = [("curvature", "y", style.CURVATURE), ("sharpness_spectrum", "x", style.
          ("forgetting", "y", "nats/token"), ("collapse_compare_streams", "y", "dimensionless")]
 
 
+# (step, λ_max, its error) of the curvature rows of a tiny run trained with train.curvature_every=10 and
+# train.curvature_steps=3: after 3 Lanczos steps no value has converged
+CURVATURE = [(10, 16.808910541814882, 6.715924321778752), (20, 1.2915635718781409, 0.01784870278078205),
+             (30, 1.1925444969586612, 0.002707585493455261)]
+
+
+def curvature_run(path: Path) -> Path:
+    """A run that tracked curvature, made by hand: the demo's baseline run (config, meta, metrics; no reports) and
+    the curvature rows train.py would have appended to its metrics.jsonl at steps 10, 20 and 30 (the run's own
+    learning rates and tokens at those steps)."""
+    shutil.copytree(DEMO / "baseline-s0", path, ignore=shutil.ignore_patterns("plots", "reports", "*.md"))
+    logged = {r["step"]: r for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    rows = [{"kind": "curvature", "step": step, "lr": logged[step]["lr"],
+             "threshold_2_over_lr": 2 / logged[step]["lr"], "curvature_tokens": 512, "lambda_max": lam,
+             "lambda_max_converged": False, "lambda_max_error": err, "lanczos_steps": 3, "params_n": 39168,
+             "curvature_seconds": 0.2, "tokens": logged[step]["tokens"]} for step, lam, err in CURVATURE]
+    with open(path / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return path
+
+
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory):
     """Every figure of the demo's study (with an absolute path as a fine-tune's target data), of a run that
-    tracked curvature, and of a sharpness report, drawn at the narrowest preset into PNG, PDF and SVG; the
+    tracked curvature (made by hand), and of a sharpness report, drawn at the narrowest preset into PNG, PDF and SVG; the
     figures are kept (name -> figure) for inspection."""
     from cemtool.plots.render import render_all, render_run
     from cemtool.plots.sharpness import plot_sharpness
@@ -43,7 +64,7 @@ def drawn(tmp_path_factory):
     payload = json.loads(rep.read_text())
     payload["target"]["data"] = "/home/someone/corpora/stories.txt"
     rep.write_text(json.dumps(payload))
-    curv = train_tiny(tmp / "curv", extra=["train.curvature_every=10", "train.curvature_steps=3"])
+    curv = curvature_run(tmp / "curv")
     figures: dict = {}
     real_close = plt.close
 
