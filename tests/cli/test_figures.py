@@ -52,8 +52,8 @@ def curvature_run(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory):
     """Every figure of the demo's study (with an absolute path as a fine-tune's target data), of a run that
-    tracked curvature (made by hand), and of a sharpness report, drawn at the narrowest preset into PNG, PDF and SVG; the
-    figures are kept (name -> figure) for inspection."""
+    tracked curvature (made by hand), and of a sharpness report, drawn at the narrowest preset into PNG, PDF and
+    SVG; the figures are kept (name -> figure) for inspection."""
     from cemtool.plots.render import render_all, render_run
     from cemtool.plots.sharpness import plot_sharpness
 
