@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY, set_args, tiny_config, tiny_setup
+from kit import TINY, set_args, tiny_config, tiny_setup, tiny_train
 from safetensors.torch import load_file
 
 from cemtool.config import TrainConfig
@@ -66,20 +66,23 @@ def test_param_groups_decay_and_custom(tiny_run):
 
 
 def test_same_seed_identical_metrics(tmp_path, text_file):
-    a = cli("train", "--data", text_file, "--out", str(tmp_path / "a"), "--quiet", *sets())
+    """The same seed gives the same metrics in this process (the kit's in-process training) as in a fresh
+    `cemtool train` process; another seed other losses."""
+    tiny_train(tmp_path / "a", *tiny_setup(text_file))
     b = cli("train", "--data", text_file, "--out", str(tmp_path / "b"), "--quiet", *sets())
-    assert a.returncode == b.returncode == 0
+    assert b.returncode == 0
     strip = lambda ms: [{k: v for k, v in m.items() if k not in ("tokens_per_s", "elapsed_s")} for m in ms]  # noqa
     assert strip(metrics(tmp_path / "a")) == strip(metrics(tmp_path / "b"))
-    c = cli("train", "--data", text_file, "--out", str(tmp_path / "c"), "--quiet", "--seed", "1", *sets())
-    assert c.returncode == 0 and losses(tmp_path / "c") != losses(tmp_path / "a")
+    tiny_train(tmp_path / "c", *tiny_setup(text_file, "seed=1"))
+    assert losses(tmp_path / "c") != losses(tmp_path / "a")
 
 
 def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
-    """SIGKILL a real training process after its first checkpoint, resume it, compare with an uninterrupted run."""
-    extra = ["train.max_steps=300", "train.eval_every=100", "train.ckpt_every=20", "train.log_every=10"]
+    """SIGKILL a real training process after its first checkpoint, resume it, compare with an uninterrupted run
+    (trained in this process). The same law for any stop step and checkpoint cadence: tests/e2e/test_resume_law.py."""
+    extra = ["train.max_steps=120", "train.eval_every=40", "train.ckpt_every=20", "train.log_every=10"]
     ref = tmp_path / "ref"
-    cli("train", "--data", text_file, "--out", str(ref), "--quiet", *sets(extra))
+    tiny_train(ref, *tiny_setup(text_file, *extra))
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(killed),
                              "--quiet", *sets(extra)], env=ENV, stdout=subprocess.DEVNULL,
@@ -115,7 +118,7 @@ def _free_port():
 
 def test_ddp_two_processes_match_one(tmp_path, text_file):
     one = tmp_path / "one"
-    cli("train", "--data", text_file, "--out", str(one), "--quiet", *sets())
+    tiny_train(one, *tiny_setup(text_file))  # one process: this one
     two = tmp_path / "two"
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(_free_port()), "-m", "cemtool", "train", "--data", text_file, "--out", str(two),
