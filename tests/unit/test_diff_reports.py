@@ -5,7 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "diff_reports.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "diff_reports.py"
 spec = importlib.util.spec_from_file_location("diff_reports", SCRIPT)
 dr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(dr)
