@@ -13,7 +13,7 @@ typer's CliRunner, so the whole list takes well under a minute on two cores.
     python scripts/bad_inputs.py            # trains the tiny run first (a few seconds), then every case
     python scripts/bad_inputs.py --fast     # only the cases that need no measurement
 
-tests/test_reliability.py runs the fast cases on the test suite's tiny run.
+tests/cli/test_reliability.py runs the fast cases on the test suite's tiny run.
 """
 
 from __future__ import annotations
@@ -949,7 +949,7 @@ def cases() -> list[Case]:
     import torch
 
     out: list[Case] = [
-        # train: bad data and configuration (tests/test_cli.py's list, and issue 10's)
+        # train: bad data and configuration (tests/cli/test_cli.py's list, and issue 10's)
         Case("train: data file missing", "cli", lambda ws: _train(ws, "--data", str(ws / "nope.txt")), words=("nope",)),
         Case("train: empty data file", "cli", lambda ws: _train(ws, "--data", write(ws / "e.txt", b""))),
         Case("train: binary data file", "cli", lambda ws: _train(ws, "--data", write(ws / "b.txt", b"\0\1\2" * 100))),

@@ -10,7 +10,7 @@ snippet that needs what this machine cannot give (a GPU, the network, the test s
 reason and not run.
 
 The line right after each block states its time, ``(~N s on 2 idle cores)``, or why it has none,
-``(not timed: REASON)``; tests/test_docs.py checks every such claim against the records written here.
+``(not timed: REASON)``; tests/e2e/test_docs.py checks every such claim against the records written here.
 
     nice -n 19 python scripts/doc_snippets.py                     # every page, all at once
     nice -n 19 python scripts/doc_snippets.py --page docs/api.md  # one page; the other records are kept
