@@ -1,4 +1,31 @@
 """The research tests share the product suite's settings, fixtures and helpers: tests/kit.py (on sys.path through
-pyproject's pytest `pythonpath`), imported as `from kit import ...`; its fixtures are this folder's too."""
+pyproject's pytest `pythonpath`), imported as `from kit import ...`; its fixtures are this folder's too.
 
+The tiny GPU study that test_study_gpu.py's slow tests share (research/tests/tiny_study.py) starts in the
+background once collection is done, when a selected test needs it, and runs beside the tests before it."""
+
+import pytest
 from kit import text_file, tiny_run  # noqa: F401  (fixtures: pytest finds them in this module)
+from tiny_study import TinyStudy
+
+TINY_STUDY = pytest.StashKey[TinyStudy]()
+
+
+def pytest_collection_finish(session):
+    if any(item.path.name == "test_study_gpu.py" and "tiny" in getattr(item, "fixturenames", ())
+           for item in session.items) and not session.config.option.collectonly:
+        session.config.stash[TINY_STUDY] = TinyStudy().start()
+
+
+def pytest_sessionfinish(session):
+    study = session.config.stash.get(TINY_STUDY, None)
+    if study is not None:
+        study.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_study(request) -> TinyStudy:
+    """The background study (started now if collection did not start it)."""
+    if TINY_STUDY not in request.config.stash:
+        request.config.stash[TINY_STUDY] = TinyStudy().start()
+    return request.config.stash[TINY_STUDY]

@@ -6,17 +6,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ROOT / "research" / "scripts"
-SCRIPT = ["bash", str(SCRIPTS / "study_gpu.sh")]
+from tiny_study import SCRIPTS, meta_mtimes, run, study_dirs
 
 
 def study_gpu():
@@ -27,29 +22,11 @@ def study_gpu():
     return mod
 
 
-def run(*args, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run([*SCRIPT, *args], stdin=stdin, capture_output=True, text=True, env=env, cwd=ROOT)
-
-
-def meta_mtimes(out: Path) -> dict:
-    return {str(p): p.stat().st_mtime_ns for p in out.rglob("meta.json")}
-
-
-def study_dirs(out: Path) -> list[Path]:
-    return sorted(p.parent for part in ("main", "muon") for p in (out / part).rglob("study.json"))
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """--estimate-only, then the whole tiny study on two CPU lanes, in one folder."""
-    out = tmp_path_factory.mktemp("study-gpu") / "s"
-    est = run("--device", "cpu", "--tiny", "--estimate-only", "--out", str(out))
-    assert est.returncode == 0, est.stdout + est.stderr
-    estimate_only = {"res": est, "studies": study_dirs(out), "runs": meta_mtimes(out)}
-    res = run("--device", "cpu", "--tiny", "--yes", "--gpus", "2", "--out", str(out))
-    assert res.returncode == 0, res.stdout + res.stderr + (out / "study.log").read_text()
-    return {"out": out, "res": res, "estimate_only": estimate_only}
+def tiny(tiny_study):
+    """--estimate-only, then the whole tiny study on two CPU lanes, in one folder (research/tests/tiny_study.py:
+    started in the background when the tests were collected)."""
+    return tiny_study.result()
 
 
 def table(stdout: str) -> dict[str, tuple[int, int]]:
@@ -132,9 +109,7 @@ def test_estimate_only_trains_nothing(tiny):
 
 @pytest.mark.slow
 def test_rerun_retrains_nothing(tiny):
-    out = tiny["out"]
-    before = meta_mtimes(out)
-    res = run("--device", "cpu", "--tiny", "--yes", "--gpus", "2", "--out", str(out))
+    out, before, res = tiny["out"], tiny["rerun"]["before"], tiny["rerun"]["res"]  # rerun in the background
     assert res.returncode == 0, res.stdout + res.stderr
     assert meta_mtimes(out) == before and len(before) > 300
     assert "timing every architecture" in res.stdout
