@@ -5,8 +5,9 @@ The tiny GPU study that test_study_gpu.py's slow tests share (research/tests/tin
 background once collection is done, when a selected test needs it, and runs beside the tests before it."""
 
 import pytest
-from kit import text_file, tiny_run  # noqa: F401  (fixtures: pytest finds them in this module)
 from tiny_study import TinyStudy
+
+from kit import text_file, tiny_run  # noqa: F401  (fixtures: pytest finds them in this module)
 
 TINY_STUDY = pytest.StashKey[TinyStudy]()
 

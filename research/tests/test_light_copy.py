@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
-from kit import TINY
 
 from cemtool.sweep import make_plan, run_sweep
+
+from kit import TINY
 
 TOKENS = 30 * 8 * 16
 

@@ -5,10 +5,11 @@ import pickle
 import shutil
 
 import pytest
-from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+
+from kit import TINY, set_args
 
 runner = CliRunner()
 

@@ -5,11 +5,12 @@ import shutil
 
 import numpy as np
 import pytest
-from kit import train_tiny
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
 from cemtool.errors import CemtoolError
+
+from kit import train_tiny
 
 
 @pytest.fixture(scope="module")

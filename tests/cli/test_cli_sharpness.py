@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool import subject
 from cemtool.cli.main import app
+
+from kit import one_line_error
 
 QUICK = ["--quick", "--device", "cpu", "--quiet", "--trace-hvps", "8", "--lanczos-steps", "10",
          "--density-steps", "12", "--slice-points", "3"]

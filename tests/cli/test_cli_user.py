@@ -7,10 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+
+from kit import one_line_error
 
 runner = CliRunner()
 SAMPLE = Path(__file__).resolve().parents[2] / "sample_runs" / "demo"

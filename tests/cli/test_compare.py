@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kit import TINY
 from scipy import stats
 from typer.testing import CliRunner
 
@@ -16,6 +15,8 @@ from cemtool.analysis.compare import compare, spearman, welch
 from cemtool.config import replace, resolve, to_dict
 from cemtool.errors import CemtoolError
 from cemtool.sweep import make_plan, run_sweep
+
+from kit import TINY
 
 runner = CliRunner()
 

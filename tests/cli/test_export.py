@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from kit import train_tiny
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -16,6 +15,8 @@ from cemtool.config import resolve
 from cemtool.errors import CemtoolError
 from cemtool.models.registry import build_model
 from cemtool.subject.hf.export import pick_target, refusals
+
+from kit import train_tiny
 
 runner = CliRunner()
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pytest
-from kit import one_line_error
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
 from cemtool.plots import style
+
+from kit import one_line_error
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "sample_runs" / "demo"

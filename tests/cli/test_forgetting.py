@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kit import train_tiny
 from typer.testing import CliRunner
 
 from cemtool.config import DataConfig
@@ -19,6 +18,8 @@ from cemtool.errors import CemtoolError
 from cemtool.forgetting import REFERENCE, fine_tune, scaled_recipe
 from cemtool.subject import open_subject
 from cemtool.train import evaluate
+
+from kit import train_tiny
 
 runner = CliRunner()
 FT = ["--steps", "12", "--eval-every", "4", "--device", "cpu", "-q"]

@@ -1,9 +1,10 @@
 """Defects scripts/fuzz_cli.py found (issue 20: bad input gets one clear line), one test each."""
 
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+
+from kit import one_line_error
 
 runner = CliRunner()
 

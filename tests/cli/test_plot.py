@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kit import train_tiny
 from matplotlib.colors import to_rgb
 from typer.testing import CliRunner
 
@@ -18,6 +17,8 @@ from cemtool.plots.report_md import caption, eval_table
 from cemtool.plots.style import arch_color
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES, read_run, smoothed, training_figure
 from cemtool.report import fmt
+
+from kit import train_tiny
 
 runner = CliRunner()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.checkpoints import read_checkpoint, save_checkpoint, step_checkpoints
@@ -22,6 +21,8 @@ from cemtool.config import resolve
 from cemtool.errors import CemtoolError
 from cemtool.runs import Run, create_run, list_runs, open_run
 from cemtool.writes import atomic_write_bytes, safe_name
+
+from kit import one_line_error
 
 runner = CliRunner()
 

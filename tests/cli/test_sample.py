@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
 from cemtool.errors import CemtoolError
+
+from kit import one_line_error
 
 runner = CliRunner()
 

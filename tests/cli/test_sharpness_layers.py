@@ -8,10 +8,11 @@ import json
 import shutil
 
 import pytest
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+
+from kit import one_line_error
 
 runner = CliRunner()
 

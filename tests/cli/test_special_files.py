@@ -12,7 +12,6 @@ import signal
 from pathlib import Path
 
 import pytest
-from kit import TEXT, one_line_error
 from typer.testing import CliRunner
 
 from cemtool import fileio
@@ -20,6 +19,8 @@ from cemtool.cli.main import app
 from cemtool.errors import CemtoolError
 from cemtool.fileio import read_json, read_jsonl
 from cemtool.runs import list_runs
+
+from kit import TEXT, one_line_error
 
 runner = CliRunner()
 LIMIT_S = 90  # a command that reads a FIFO blocks for ever; each of these ends in seconds (more under load)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit import TINY, one_line_error, tiny_setup
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -18,6 +17,8 @@ from cemtool.data.corpus import load_corpus
 from cemtool.runs import create_run, open_run
 from cemtool.tblog import EVENT_FILE, TB_DIR, row_scalars
 from cemtool.train import finalize_model_config, train
+
+from kit import TINY, one_line_error, tiny_setup
 
 SMALL = [*TINY, "model.n_layer=1", "model.d_model=16", "train.batch_size=4", "train.eval_tokens=256",
          "data.tokenizer=byte", "train.max_steps=20", "train.log_to=tensorboard"]

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY, set_args, tiny_setup, tiny_train
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -22,6 +21,8 @@ from cemtool.analysis.hessian import DenseOperator, lanczos
 from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError, ConfigError
+
+from kit import TINY, set_args, tiny_setup, tiny_train
 
 TRACK = ["train.max_steps=20", "train.curvature_every=10", "train.curvature_tokens=32", "train.curvature_steps=16",
          "train.curvature_trace=4", "train.curvature_precond=true", "train.ckpt_every=10"]

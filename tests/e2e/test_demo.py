@@ -5,10 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from kit import one_line_error
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
+
+from kit import one_line_error
 
 runner = CliRunner()
 

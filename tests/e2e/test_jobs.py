@@ -10,11 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool import jobs
 from cemtool.errors import CemtoolError
+
+from kit import TINY, set_args
 
 # the toy analysis: the mean next-token loss of the subject on its first `tokens` evaluation tokens, times x;
 # sharded over the ranks and all-reduced, as a real analysis is

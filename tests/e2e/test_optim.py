@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-from kit import tiny_model, tiny_setup
 
 from cemtool.checkpoints import find_checkpoint, read_checkpoint, save_checkpoint
 from cemtool.config import TrainConfig, resolve
@@ -13,6 +12,8 @@ from cemtool.models import lm_loss
 from cemtool.optim import Combined, make_optimizer
 from cemtool.runs import Run, create_run, open_run
 from cemtool.train import train
+
+from kit import tiny_model, tiny_setup
 
 CPU = torch.device("cpu")
 HIDDEN = re.compile(r"blocks\.\d+\.(attn\.(wq|wk|wv|wo)|mlp\.(up|gate|down))\.weight")  # the blocks' projections

@@ -10,10 +10,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_setup, tiny_train
 
 from cemtool.checkpoints import find_checkpoint, read_checkpoint
 from cemtool.runs import open_run
+
+from kit import tiny_setup, tiny_train
 
 STEPS = 12
 # a smaller tiny run than the kit's (1 layer of 16, batches of 4): an evaluation every 4 steps, a row every step

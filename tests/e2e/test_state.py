@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY, one_line_error, set_args, tiny_setup
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -22,6 +21,8 @@ from cemtool.config import resolve
 from cemtool.errors import CemtoolError
 from cemtool.runs import Run, create_run, lock_for_reading, open_run
 from cemtool.subject import open_subject
+
+from kit import TINY, one_line_error, set_args, tiny_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

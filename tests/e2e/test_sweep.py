@@ -11,12 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import TINY, set_args
 from typer.testing import CliRunner
 
 from cemtool.analysis.compute import arch_row
 from cemtool.errors import CemtoolError
 from cemtool.sweep import make_plan, run_sweep
+
+from kit import TINY, set_args
 
 runner = CliRunner()
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}

@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from kit import TINY, set_args
 
 from cemtool.sweep import make_plan, run_sweep
+
+from kit import TINY, set_args
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TOKENS = 30 * 8 * 16  # TINY: 30 steps of 8 x 16 tokens

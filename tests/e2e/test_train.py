@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kit import TINY, set_args, tiny_config, tiny_setup, tiny_train
 from safetensors.torch import load_file
 
 from cemtool.config import TrainConfig
@@ -21,6 +20,8 @@ from cemtool.errors import CemtoolError
 from cemtool.runs import create_run, open_run
 from cemtool.subject import open_subject
 from cemtool.train import NonFiniteLoss, lr_at, make_optimizer, train
+
+from kit import TINY, set_args, tiny_config, tiny_setup, tiny_train
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 

@@ -6,12 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_config
 
 from cemtool.config import ModelConfig, replace, resolve
 from cemtool.errors import ConfigError
 from cemtool.models import build_model, lm_loss
 from cemtool.models.allocation import attention_budget, describe_allocation, layer_shapes, uniform_budget
+
+from kit import tiny_config
 
 
 @st.composite

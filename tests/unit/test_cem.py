@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_config, tiny_model
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.models import build_model, capture
@@ -16,6 +15,8 @@ from cemtool.models.cem import CEMMLP, CEMAttention, CEMBlock, Preconditioner, a
 from cemtool.models.layers import attention_impl, mlp_hidden
 from cemtool.models.lm import lm_loss
 from cemtool.runs import Run
+
+from kit import tiny_config, tiny_model
 
 PRESETS = ["cem", "cem-dplr", "cem-precond", "cem-rec2", "cem-full", "cem-untied", "cem-selfgate"]
 V, S = 40, 12

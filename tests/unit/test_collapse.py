@@ -6,7 +6,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from kit import tiny_model
 
 from cemtool.analysis.collapse import (
     Moments,
@@ -28,6 +27,8 @@ from cemtool.analysis.routing import lime_routing, router_summary, stream_scalar
 from cemtool.data.tokenizer import byte_tokenizer, word_tokenizer
 from cemtool.errors import CemtoolError
 from cemtool.models import capture
+
+from kit import tiny_model
 
 
 def tiny(arch="baseline", extra=(), vocab=40, T=12, dtype=torch.float64):

@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-from kit import tiny_model, tiny_tokens
 from torch.func import functional_call
 
 from cemtool import memory
@@ -25,6 +24,8 @@ from cemtool.analysis.hessian import (
 from cemtool.analysis.pyhessian_backend import run_pyhessian
 from cemtool.errors import CemtoolError
 from cemtool.models import archs, attention_impl, lm_loss
+
+from kit import tiny_model, tiny_tokens
 
 V, T = 16, 8
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_config, tiny_model, tiny_tokens
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import TrainConfig, replace, resolve
@@ -17,6 +16,8 @@ from cemtool.errors import CemtoolError, ConfigError
 from cemtool.models import build_model, capture, flops_per_token, lm_loss
 from cemtool.runs import Run
 from cemtool.train import make_optimizer
+
+from kit import tiny_config, tiny_model, tiny_tokens
 
 VARIANTS = ["lime", "lime-softmax", "lime-dynamic"]
 ROUTER_PARAM = {"lime": "weight", "lime-softmax": "logits", "lime-dynamic": "proj.weight"}

@@ -6,10 +6,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_model
 
 from cemtool.config import replace, resolve
 from cemtool.models import attention_impl, build_model, capture, causal_attention, flops_per_token, hook_points
+
+from kit import tiny_model
 
 VOCAB, T = 40, 12
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_config, tiny_model, tiny_tokens
 
 from cemtool.checkpoints import load_weights, read_checkpoint, save_checkpoint
 from cemtool.config import replace, resolve
@@ -18,6 +17,8 @@ from cemtool.errors import ConfigError
 from cemtool.models import archs, attention_impl, build_model, capture, lm_loss
 from cemtool.models.momentum import NS_COEFFS, SCALARS, VARIANTS, inv_sqrt_newton, newton_schulz
 from cemtool.runs import Run
+
+from kit import tiny_config, tiny_model, tiny_tokens
 
 V, T = 40, 12
 STREAM_VARIANTS = [v for v in VARIANTS if v != "vanilla"]

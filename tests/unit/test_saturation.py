@@ -8,7 +8,6 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from kit import tiny_model, tiny_tokens
 from typer.testing import CliRunner
 
 import cemtool.data.synthetic as syn
@@ -33,6 +32,8 @@ from cemtool.data.corpus import load_corpus, windows
 from cemtool.errors import CemtoolError
 from cemtool.models.allocation import layer_shapes
 from cemtool.models.layers import apply_rope, rope_tables
+
+from kit import tiny_model, tiny_tokens
 
 
 def tiny(arch="baseline", extra=(), vocab=30, T=10):

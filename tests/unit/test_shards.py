@@ -12,12 +12,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kit import tiny_model, tiny_tokens
 
 from cemtool import distributed
 from cemtool.analysis import hessian
 from cemtool.analysis.hessian import Objective
 from cemtool.distributed import Dist
+
+from kit import tiny_model, tiny_tokens
 
 V, T = 16, 8
 

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 import torch
-from kit import tiny_model, tiny_tokens
 from torch.func import functional_call
 
 from cemtool.analysis.hessian import Objective
@@ -25,6 +24,8 @@ from cemtool.analysis.sharpness import (
 )
 from cemtool.errors import CemtoolError
 from cemtool.models import attention_impl, lm_loss
+
+from kit import tiny_model, tiny_tokens
 
 V, T = 16, 8
 

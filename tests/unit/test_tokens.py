@@ -12,7 +12,6 @@ import struct
 
 import numpy as np
 import pytest
-from kit import TEXT, train_tiny
 from typer.testing import CliRunner
 
 from cemtool.cli.main import app
@@ -20,6 +19,8 @@ from cemtool.config import DataConfig, resolve
 from cemtool.data import tokens as tokmod
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
+
+from kit import TEXT, train_tiny
 
 
 def corpus_of(source, **kw):
