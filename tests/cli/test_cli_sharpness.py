@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cemtool import subject
+from cemtool import jobs
 from cemtool.cli.main import app
 
 from kit import one_line_error
@@ -87,7 +87,7 @@ def test_pyhessian_backend_without_pyhessian_names_the_extra(run_dir, monkeypatc
     """PyHessian is an optional extra: without it --backend pyhessian is one line naming the extra, exit 1, before
     the model is loaded. The cross-check itself is benchmarks/pyhessian_crosscheck.py (it needs the extra)."""
     monkeypatch.setitem(sys.modules, "pyhessian", None)  # what an environment without PyHessian imports
-    monkeypatch.setattr(subject, "open_subject", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(jobs, "open_subject", lambda *a, **k: pytest.fail("the model was loaded"))  # run_job opens
     res = invoke(run_dir, *QUICK, "--backend", "pyhessian")
     one_line_error(res, code=1)
     assert res.output.strip() == 'Error: --backend pyhessian needs PyHessian: pip install "cemtool[pyhessian]"'
