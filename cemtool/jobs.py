@@ -24,7 +24,6 @@ from cemtool.analysis import collapse, pyhessian_backend, sharpness
 from cemtool.analysis import saturation as saturation_analysis
 from cemtool.distributed import check_same_device, init_distributed
 from cemtool.errors import CemtoolError
-from cemtool.fileio import read_json
 from cemtool.plots.collapse import plot_collapse
 from cemtool.plots.saturation import plot_logits, plot_truncation
 from cemtool.plots.sharpness import plot_sharpness
@@ -180,11 +179,6 @@ def write_comparison(results: list[JobResult], name: str, payload: dict, rows: l
     if plot is not None:
         plot(payload, plots_dir, name)
     return path
-
-
-def report_exists(run: Path, name: str) -> dict | None:
-    path = run / "reports" / f"{name}.json"
-    return read_json(path, "report") if path.exists() else None
 
 
 # --------------------------------------------------------------------------------------------------------------

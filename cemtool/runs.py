@@ -1,18 +1,8 @@
 """The run directory: create it (all or nothing), lock it, its meta, metrics and config, list runs.
 
-The layout (:mod:`cemtool.layout`)::
-
-    runs/<name>/
-      config.json        resolved RunConfig with "schema_version"
-      meta.json          versions, git commit, argv, device, seed, start/end, status
-      metrics.jsonl      one JSON object per logged step
-      tokenizer.json     the run's tokenizer (every analysis reuses it)
-      checkpoints/       step_000500.safetensors (+ optimizer/RNG state), final.safetensors, manifest.json
-      reports/ plots/ report.md
-
-Checkpoints are :mod:`cemtool.checkpoints`; every file is written by :mod:`cemtool.writes` (a temporary name and a
-rename, so a crash never leaves a half-written file) and read by :mod:`cemtool.fileio`; the model a run holds is
-opened by :mod:`cemtool.subject`.
+What the directory holds is in :mod:`cemtool.layout`'s docstring. Checkpoints are :mod:`cemtool.checkpoints`;
+every file is written by :mod:`cemtool.writes` (a temporary name and a rename, so a crash never leaves a
+half-written file) and read by :mod:`cemtool.fileio`; the model a run holds is opened by :mod:`cemtool.subject`.
 """
 
 from __future__ import annotations

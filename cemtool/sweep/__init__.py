@@ -66,7 +66,7 @@ from cemtool.sweep.manifest import (
     read_manifest,
     retuned_archs,
 )
-from cemtool.sweep.options import ANALYSES
+from cemtool.sweep.options import analysis_names
 from cemtool.sweep.plan import (
     MAX_RUN_NAME,
     MAX_RUNS,
@@ -86,7 +86,7 @@ from cemtool.sweep.plan import (
 from cemtool.sweep.runner import run_sweep
 from cemtool.sweep.selection import SELECTION, grid_edges, plan_from_tuning, select
 
-__all__ = ["ANALYSES", "ITEM_STATUSES", "MAX_RUNS", "MAX_RUN_NAME",
+__all__ = ["analysis_names", "ITEM_STATUSES", "MAX_RUNS", "MAX_RUN_NAME",
            "RESERVED", "SCHEMA_VERSION", "SELECTION", "STEPS_KEY", "STUDY_STATUSES", "Callback",
            "Plan", "Study", "check_data_source", "check_manifest", "check_new_study_dir", "grid_edges",
            "grid_extension", "grid_points", "item_config", "item_name", "item_overrides", "make_plan", "new_manifest",

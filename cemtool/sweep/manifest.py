@@ -18,7 +18,7 @@ from cemtool.fileio import read_json
 from cemtool.models.registry import get_arch
 from cemtool.provenance import now
 from cemtool.runs import Run, open_lock_file
-from cemtool.sweep.options import ANALYSES, _whole
+from cemtool.sweep.options import _whole, analysis_names
 from cemtool.sweep.plan import MAX_RUN_NAME, Plan, parse_grid, plan_items
 from cemtool.writes import atomic_write_json
 
@@ -139,7 +139,7 @@ _WHOLE_FIELDS = ("step", "tokens", "params", "non_embedding")  # of an item: a w
 _REAL_FIELDS = ("val_loss", "val_floor", "seconds", "flops_per_token", "flops_forward_per_token", "total_flops")
 _PLAN_TYPES = {"archs": "a list of architecture names", "seeds": "a list of whole numbers",
                "tokens": "a whole number >= 1", "data": "a string", "overrides": "a list of strings",
-               "analyses": f"a list of analyses ({', '.join(ANALYSES)})", "target": "a string or null",
+               "analyses": f"a list of analyses ({', '.join(analysis_names())})", "target": "a string or null",
                "options": "an object of objects, one per analysis", "grid": "a list of strings",
                "arch_overrides": "an object of lists of strings", "tuned_from": "a string or null"}
 
@@ -158,7 +158,7 @@ def _strs(v) -> bool:
 def _plan_ok(key: str, v) -> bool:
     return {"archs": lambda: _strs(v) and bool(v), "seeds": lambda: isinstance(v, list) and bool(v)
             and all(map(_whole, v)), "tokens": lambda: _whole(v) and v >= 1, "data": lambda: isinstance(v, str),
-            "overrides": lambda: _strs(v), "analyses": lambda: _strs(v) and all(a in ANALYSES for a in v),
+            "overrides": lambda: _strs(v), "analyses": lambda: _strs(v) and all(a in analysis_names() for a in v),
             "target": lambda: v is None or isinstance(v, str), "tuned_from": lambda: v is None or isinstance(v, str),
             "options": lambda: isinstance(v, dict) and all(isinstance(o, dict) for o in v.values()),
             "grid": lambda: _strs(v), "arch_overrides": lambda: isinstance(v, dict) and all(map(_strs, v.values()))
@@ -250,8 +250,8 @@ def _check_item(it, where: str, plan: dict, seen: set[str], bad) -> None:
                       f"{'whole number >= 0' if key in _WHOLE_FIELDS else 'finite number'} or null")
     for name, a in it["analyses"].items():
         at = f"{where}.analyses.{name}"
-        if name not in ANALYSES:
-            raise bad(f"{at}: unknown analysis (known: {', '.join(ANALYSES)})")
+        if name not in analysis_names():
+            raise bad(f"{at}: unknown analysis (known: {', '.join(analysis_names())})")
         if not isinstance(a, dict) or a.get("status") not in ITEM_STATUSES:
             raise bad(f"{at}.status {_short(a.get('status') if isinstance(a, dict) else a)} is not one of "
                       f"{', '.join(ITEM_STATUSES)}")

@@ -10,27 +10,10 @@ from cemtool import forgetting, jobs
 from cemtool.errors import CemtoolError, known_hint
 
 
-class _Names(tuple):
+def analysis_names() -> tuple[str, ...]:
     """The analyses a study can run: every analysis registered in cemtool.jobs, and forgetting (a fine-tune, which
     trains a run of its own: cemtool.forgetting)."""
-
-    def _names(self) -> tuple[str, ...]:
-        return (*jobs.ANALYSES, "forgetting")
-
-    def __iter__(self):
-        return iter(self._names())
-
-    def __contains__(self, name) -> bool:
-        return name in self._names()
-
-    def __len__(self) -> int:
-        return len(self._names())
-
-    def __getitem__(self, i):
-        return self._names()[i]
-
-
-ANALYSES = _Names()
+    return (*jobs.ANALYSES, "forgetting")
 
 
 def options_class(name: str) -> type:
@@ -40,8 +23,9 @@ def options_class(name: str) -> type:
 
 def _check_options(options: dict, chosen: list[str]) -> None:
     for name, opts in options.items():
-        if name not in ANALYSES:
-            raise CemtoolError(f"options for unknown analysis {name!r}", hint=f"choose from {', '.join(ANALYSES)}")
+        if name not in analysis_names():
+            raise CemtoolError(f"options for unknown analysis {name!r}",
+                               hint=f"choose from {', '.join(analysis_names())}")
         if name not in chosen:
             raise CemtoolError(f"options given for {name}, which is not among the analyses",
                                hint="add it to --analyses")
@@ -74,4 +58,4 @@ def _whole(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-__all__ = ["ANALYSES", "analysis_options", "options_class"]
+__all__ = ["analysis_names", "analysis_options", "options_class"]

@@ -18,7 +18,7 @@ from cemtool.data.corpus import sources
 from cemtool.data.grammar import GRAMMARS
 from cemtool.errors import CemtoolError, UsageError, did_you_mean, known_hint
 from cemtool.forgetting import check_tokenizer
-from cemtool.sweep.options import ANALYSES, _check_options
+from cemtool.sweep.options import _check_options, analysis_names
 from cemtool.train import total_steps
 
 RESERVED = {"seed": "--seeds", "train.max_tokens": "--tokens", "model.arch": "--archs", "data.source": "--data",
@@ -178,9 +178,9 @@ def make_plan(archs: str | list, seeds: str | list, *, tokens: int | None = None
     arch_list = _split_list(archs, "architecture", "architectures")
     seed_list = parse_seeds(seeds)
     chosen = _split_list(analyses, "analysis", "analyses") if analyses else []
-    bad = [a for a in chosen if a not in ANALYSES]
+    bad = [a for a in chosen if a not in analysis_names()]
     if bad:
-        raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=known_hint(bad[0], ANALYSES, "choose from"))
+        raise CemtoolError(f"unknown analysis {bad[0]!r}", hint=known_hint(bad[0], analysis_names(), "choose from"))
     if tokens is not None and tokens < 1:
         raise UsageError(f"--tokens must be positive, got {tokens}")
     for o in overrides:
