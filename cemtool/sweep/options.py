@@ -22,10 +22,10 @@ def options_class(name: str) -> type:
 
 
 def _check_options(options: dict, chosen: list[str]) -> None:
+    known = analysis_names()
     for name, opts in options.items():
-        if name not in analysis_names():
-            raise CemtoolError(f"options for unknown analysis {name!r}",
-                               hint=f"choose from {', '.join(analysis_names())}")
+        if name not in known:
+            raise CemtoolError(f"options for unknown analysis {name!r}", hint=f"choose from {', '.join(known)}")
         if name not in chosen:
             raise CemtoolError(f"options given for {name}, which is not among the analyses",
                                hint="add it to --analyses")

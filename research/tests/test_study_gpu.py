@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_study import SCRIPTS, meta_mtimes, run, study_dirs
+from tiny_study import SCRIPTS, TINY, meta_mtimes, run, study_dirs
 
 
 def study_gpu():
@@ -116,7 +116,7 @@ def test_rerun_retrains_nothing(tiny):
 
 
 def test_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path):
-    res = run("--device", "cpu", "--tiny", "--out", str(tmp_path / "s"))
+    res = run(*TINY, "--out", str(tmp_path / "s"))
     assert res.returncode != 0
     assert res.stdout == "" and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert res.stderr.startswith("Error: ") and "--yes" in res.stderr

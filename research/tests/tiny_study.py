@@ -25,8 +25,15 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
 
-def run(*args, stdin=subprocess.DEVNULL) -> subprocess.CompletedProcess:
-    return subprocess.run([*SCRIPT, *args], stdin=stdin, capture_output=True, text=True, env=env(), cwd=ROOT)
+def run(*args, stdin=subprocess.DEVNULL, session: bool = False, on_start=None) -> subprocess.CompletedProcess:
+    """study_gpu.sh ARGS, its output captured; ``session``: in its own process group (so that the whole of it can
+    be stopped), ``on_start(proc)`` told the process once it runs."""
+    proc = subprocess.Popen([*SCRIPT, *args], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env(), cwd=ROOT, start_new_session=session)
+    if on_start is not None:
+        on_start(proc)
+    stdout, stderr = proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 def meta_mtimes(out: Path) -> dict:
@@ -57,10 +64,7 @@ class TinyStudy:
 
     def _script(self, *args) -> subprocess.CompletedProcess:
         """study_gpu.sh ARGS in its own process group (so that stop() ends all of it)."""
-        self.proc = subprocess.Popen([*SCRIPT, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT, start_new_session=True)
-        stdout, stderr = self.proc.communicate()
-        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, stdout, stderr)
+        return run(*args, session=True, on_start=lambda proc: setattr(self, "proc", proc))
 
     def _work(self) -> None:
         try:
