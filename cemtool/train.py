@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from cemtool.analysis import curvature
+from cemtool.analysis import tracking
 from cemtool.checkpoints import check_fits, restore_training, resume_checkpoint, save_checkpoint, step_checkpoints
 from cemtool.config import RunConfig, TrainConfig
 from cemtool.data.corpus import Corpus, batch_starts, bits_per_byte, perplexity, windows
@@ -219,7 +219,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
     if init_weights is not None:
         model.load_state_dict(init_weights, strict=True)
     opt = make_optimizer(model, tc, dev)
-    tracker = curvature.tracker_for(cfg, corpus, model) if tc.curvature_every else None  # subset checked now
+    tracker = tracking.tracker_for(cfg, corpus, model) if tc.curvature_every else None  # subset checked now
     steps_total = total_steps(cfg)
     step, tokens_seen = 0, 0
     if resume and run is not None:
@@ -454,7 +454,7 @@ def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, extra: 
 
 
 def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None,
-             tracker: curvature.CurvatureTracker | None = None, main: bool = True) -> tuple[int, int]:
+             tracker: tracking.CurvatureTracker | None = None, main: bool = True) -> tuple[int, int]:
     """Weights, optimizer and RNG state (and the curvature tracker's warm start) of the newest step checkpoint that
     verifies; a newer one that does not is set aside (by the main process only), with a 'note' event saying so."""
     ckpt, notes = resume_checkpoint(run, set_aside=main, fits=lambda c: check_fits(c, model, opt))
@@ -478,5 +478,5 @@ def finalize_model_config(cfg: RunConfig, corpus: Corpus) -> RunConfig:
         raise CemtoolError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {vocab}")
     m = replace(m, vocab_size=m.vocab_size or vocab, max_seq_len=m.max_seq_len or cfg.data.seq_len)
     cfg = replace(cfg, model=m)
-    curvature.check_run_config(cfg)  # train.curvature_params must match the model's parameters
+    tracking.check_run_config(cfg)  # train.curvature_params must match the model's parameters
     return cfg

@@ -61,7 +61,8 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                 "val_tokens", "params",
                 "non_embedding",
                 "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
-                "trace_per_param", "trace_per_param_se", "sharpness_tokens", "value_entropy", "separability",
+                "trace_per_param", "trace_per_param_se", "trace", "trace_se", "curvature_n", "curvature_operator",
+                "standing", "grad_norm", "sharpness_tokens", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
                 "forgetting_run", "layers": [{"layer", "value_entropy", "separability"}],
                 "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null},
@@ -98,7 +99,7 @@ from cemtool.report import (
 )
 from cemtool.writes import atomic_write_text, safe_name
 
-PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "trace_per_param", "lambda_max")
+PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "trace_per_param", "trace", "lambda_max")
 LAYER_METRICS = {"value_entropy": "H(values)", "separability": "probe(values)"}  # per layer, from collapse.json
 CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
 REPORTS = ("sharpness", "collapse", "forgetting")
@@ -135,6 +136,10 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
                            f"with reports/forgetting.json",
                            hint=close[0] if close else "run cemtool sharpness / collapse-report / forgetting on "
                                 "them, or cemtool sweep --analyses sharpness,collapse,forgetting")
+    operators = {r["curvature_operator"] for r in records if r["reports"]["sharpness"] and r.get("curvature_operator")}
+    if len(operators) > 1:  # a GGN λ_max and a Hessian λ_max never share a column
+        raise CemtoolError(f"the sharpness reports measure different operators ({', '.join(sorted(operators))})",
+                           hint="choose one report per run with --sharpness NAME (e.g. sharpness-ggn)")
     mismatch = settings_mismatch(records)
     for kind, diff in mismatch.items():
         text = f"the {kind} reports were measured with different settings: {mismatch_text(diff)}"
@@ -207,13 +212,30 @@ def _at_ceiling(arch_row: dict) -> bool:
 
 
 def curvature_notes(records: list[dict]) -> list[str]:
-    """A note on runs whose sharpness report has |λ_min| > λ_max: the largest curvature is negative, so λ_max is
-    not the Hessian's largest eigenvalue in magnitude (the weights are not near a minimum of this loss)."""
+    """Notes on the curvature columns: the operator when it is not the Hessian; where the runs stand (their
+    stationarity verdicts, curvature.stationarity); total traces beside tr/n when the runs' n differ; and runs whose
+    sharpness report has |λ_min| > λ_max (the largest curvature is negative, so λ_max is not the Hessian's largest
+    eigenvalue in magnitude: the weights are not near a minimum of this loss)."""
+    out = []
+    measured = [r for r in records if r["reports"]["sharpness"]]
+    ops = {r.get("curvature_operator") for r in measured} - {None, "hessian"}
+    if ops:
+        out.append(f"the curvature columns (λ_max, λ_min, tr/n, tr) are of the {ops.pop()} operator, not the Hessian")
+    verdicts = [r["standing"] for r in measured if r.get("standing")]
+    if verdicts:
+        counts = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(verdicts))
+        out.append(f"where the runs stand (sharpness reports' stationarity verdicts): {counts}"
+                   + ("; no run is certified a minimum, so no difference here is one between minima"
+                      if "minimum" not in verdicts else ""))
+    ns = {r.get("curvature_n") for r in measured if r.get("curvature_n")}
+    if len(ns) > 1:
+        out.append(f"the runs' curvature dimensions n differ ({min(ns):,} to {max(ns):,} parameters): tr/n compares "
+                   f"densities, the total tr compares curvatures; read both")
     neg = [Path(r["run"]).name for r in records if r.get("lambda_max") is not None and r.get("lambda_min")
            is not None and abs(r["lambda_min"]) > abs(r["lambda_max"])]
     if not neg:
-        return []
-    return [f"|λ_min| > λ_max for {len(neg)} run(s) ({', '.join(neg[:6])}{' ...' if len(neg) > 6 else ''}): the "
+        return out
+    return out + [f"|λ_min| > λ_max for {len(neg)} run(s) ({', '.join(neg[:6])}{' ...' if len(neg) > 6 else ''}): the "
             f"most negative curvature exceeds the most positive, so the weights are not near a minimum of the "
             f"measured loss and λ_max alone understates the curvature"]
 

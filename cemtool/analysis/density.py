@@ -2,7 +2,7 @@
 
 :func:`slq` returns a :class:`Density`: Gaussian-smoothed with a reported sigma, from independent Lanczos runs
 (:mod:`cemtool.analysis.lanczos`; a run already made for the extreme eigenvalues can be continued as one of them).
-Any operator with ``n``, ``hvp`` and ``device`` (:mod:`cemtool.analysis.operators`) will do.
+Any operator with ``n``, ``matvec`` and ``device`` (:mod:`cemtool.analysis.curvature.protocol`) will do.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cemtool.analysis.curvature.protocol import Callback, as_operator
 from cemtool.analysis.lanczos import LanczosState, _random_unit, lanczos_iterate
-from cemtool.analysis.operators import Callback
 from cemtool.errors import CemtoolError
 
 
@@ -54,6 +54,7 @@ def slq(op, runs: int = 3, steps: int = 80, *, seed: int = 0, sigma: float | Non
     ``reuse``: Lanczos runs already made from isotropic random starts (e.g. ``lanczos(...).state``); each is
     continued to ``steps`` and counted as one of the ``runs`` (``hvps`` counts only the new HVPs).
     ``sigma`` defaults to ``sigma_frac`` times the spread of the nodes."""
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     if runs < 1 or steps < 1:
         raise CemtoolError("the density needs at least one run of one step")
     if sigma is not None and not (math.isfinite(sigma) and sigma > 0):

@@ -2,8 +2,9 @@
 
 :class:`Objective` is the operator of a language model: the mean next-token loss over a fixed evaluation set of
 N tokens, as a function of a subset of the parameters (:func:`select_parameters`), with ``n`` (its dimension),
-``hvp(v) -> H v`` and ``device`` (the protocol of :mod:`cemtool.analysis.operators`, which also has
-:class:`DenseOperator`, an explicit symmetric matrix for tests and for checking the estimators). The estimators take
+``matvec(v) = hvp(v) -> H v`` and ``device`` (the protocol of :mod:`cemtool.analysis.curvature.protocol`, which
+also has :class:`DenseOperator`, an explicit symmetric matrix for tests and for checking the estimators); the
+GGN and the Fisher operators of :mod:`cemtool.analysis.curvature.operators` are its subclasses. The estimators take
 any operator; they are pure functions returning dataclasses, re-exported here:
 
 - :func:`lanczos`  extreme eigenvalues at both ends, with Ritz residuals, error estimates and converged flags
@@ -30,9 +31,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from cemtool.analysis.curvature.protocol import Callback, DenseOperator
 from cemtool.analysis.density import Density, slq, smooth_density
 from cemtool.analysis.lanczos import Eigenvalues, LanczosState, error_estimates, lanczos, lanczos_iterate
-from cemtool.analysis.operators import Callback, DenseOperator
 from cemtool.analysis.trace import Trace, hutch_plus_plus, hutchinson, xtrace
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
@@ -185,12 +186,13 @@ class Objective:
             self.hvp_eps = float(torch.finfo(self.compute_dtype).eps)
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]
-        self.n = sum(self.sizes)
+        self.n = self.size = sum(self.sizes)
 
         seq = x.shape[1]
         bs = batch_size or max(1, 8192 // seq)
         self.batch_size = bs
         mine = shard(len(x))  # this rank's sequences (all of them with one process)
+        self.first_sequence = mine.start  # the global index of this rank's first sequence
         x, y = x[mine.start:mine.stop].cpu(), y[mine.start:mine.stop].cpu()
         self.batches = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]  # on the CPU until used
         self.n_batches = int(all_reduce_sum(torch.tensor([float(len(self.batches))], dtype=torch.float64))[0])
@@ -327,6 +329,11 @@ class Objective:
                 self._graphs.append(self._first_order_graph(b))
             return self._graphs[b], True
         return self._first_order_graph(b), False
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """The operator's product (the protocol of cemtool.analysis.curvature.protocol): here the Hessian's, H v;
+        the operators of cemtool.analysis.curvature.operators replace it with theirs."""
+        return self.hvp(v)
 
     def hvp(self, v: torch.Tensor) -> torch.Tensor:
         """H v for a flat (n,) vector, returned flat (n,) float64 (H of the parameter subset only)."""

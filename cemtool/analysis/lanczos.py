@@ -3,7 +3,7 @@
 :func:`lanczos` returns the top-k and bottom-k eigenvalues (:class:`Eigenvalues`) with Ritz residuals, error
 estimates and converged flags; :func:`lanczos_iterate` runs the recurrence (:class:`LanczosState`), which can be
 continued (the extreme-eigenvalue run doubles as an SLQ run, :mod:`cemtool.analysis.density`). Any operator with
-``n``, ``hvp`` and ``device`` (:mod:`cemtool.analysis.operators`) will do.
+``n``, ``matvec`` and ``device`` (:mod:`cemtool.analysis.curvature.protocol`) will do.
 
 Notation: n = the operator's dimension, k = requested eigenvalues, m = Lanczos steps. The recurrences (alpha,
 beta) and the basis are float64 whatever the HVP dtype.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cemtool.analysis.operators import Callback
+from cemtool.analysis.curvature.protocol import Callback, as_operator
 from cemtool.errors import CemtoolError
 
 
@@ -97,12 +97,13 @@ def lanczos_iterate(op, v0: torch.Tensor | None, steps: int, gen: torch.Generato
     to the basis, recording beta = 0, so T_m stays exact for the space explored. ``stop(state)`` ends early.
     ``callback`` gets the number of steps taken in this call.
     """
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     st = state if state is not None else LanczosState(next_q=v0.to(torch.float64) / v0.norm())
     done = 0
     while st.steps < min(steps, op.n):
         q = st.next_q
         st._store(q, min(steps, op.n))
-        w = op.hvp(q).to(torch.float64)  # (n,)
+        w = op.matvec(q).to(torch.float64)  # (n,)
         a = float(q @ w)
         w = _orthogonalize(w, st.rows[: st.steps + 1])  # removes alpha q_j, beta q_{j-1} and rounding drift
         b = float(w.norm())
@@ -213,6 +214,7 @@ def lanczos(op, k_top: int = 5, k_bottom: int = 1, *, max_steps: int = 80, tol: 
     SLQ run), or ``v0`` when given (n,) (a warm start, e.g. the previous top Ritz vector; not isotropic). If the steps
     taken are fewer than k, fewer values are returned.
     """
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     if k_top < 0 or k_bottom < 0 or k_top + k_bottom == 0:
         raise CemtoolError("ask for at least one eigenvalue (top-k or bottom-k)")
     if k_top + k_bottom > max_steps:  # fewer Ritz values than asked: the "top" would include the bottom

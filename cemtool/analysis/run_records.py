@@ -22,13 +22,14 @@ from cemtool.sweep import read_manifest  # validated whole: a hand-edited study 
 
 METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val perplexity", "params": "params",
            "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
-           "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "forgetting": "forgetting",
+           "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "trace": "tr(H)", "forgetting": "forgetting",
            "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
 NAMED = ("sharpness", "collapse")  # analyses whose report is chosen by name (``names``); forgetting: by target
 
 
 def sharpness_fields(report: dict) -> dict:
-    """λ_max, λ_min and tr(H)/n (first trace estimate) of a sharpness report (cemtool backend). λ_max (λ_min) is
+    """λ_max, λ_min, tr(H)/n and tr(H) with n (first trace estimate), the operator, ‖g‖ and the stationarity
+    verdict of a sharpness report (cemtool backend). λ_max (λ_min) is
     null when the report has no top (bottom) eigenvalues (``--top-k 0``): an unchecked extreme Ritz value is not
     the eigenvalue, only a bound on it."""
     eig = report.get("eigen") or {}
@@ -40,6 +41,9 @@ def sharpness_fields(report: dict) -> dict:
             "lambda_min": bottom[0] if bottom else None,
             "lambda_converged": all(flags) if flags else None,
             "trace_per_param": t.get("per_param"), "trace_per_param_se": t.get("per_param_se"),
+            "trace": t.get("trace"), "trace_se": t.get("se"), "curvature_n": report.get("n_params"),
+            "curvature_operator": (report.get("options") or {}).get("operator", "hessian"),  # older reports: H
+            "standing": (report.get("standing") or {}).get("verdict"), "grad_norm": report.get("grad_norm"),
             "sharpness_tokens": report.get("tokens")}
 
 

@@ -17,7 +17,9 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from cemtool.analysis import hessian as hs
-from cemtool.analysis.hessian import Callback, Density, Eigenvalues, Objective, Trace, lanczos, slq
+from cemtool.analysis.curvature.operators import PSD, check_operator, make_operator
+from cemtool.analysis.curvature.stationarity import GAP_TOL, NEG_TOL, Standing, certify
+from cemtool.analysis.hessian import Callback, Density, Eigenvalues, Trace, lanczos, slq
 from cemtool.analysis.landscape import (
     Sharpness,
     Slice1D,
@@ -78,6 +80,10 @@ class SharpnessOptions:
     device: str | None = None
     graph_memory: float | None = None  # GiB of kept first-order graphs (None: a quarter of the free memory)
     hvp: str = "exact"  # exact (double backward) or fd (central difference of gradients; fp64 only)
+    operator: str = "hessian"  # hessian | ggn | ef | fisher (cemtool.analysis.curvature.operators)
+    mc_samples: int = 1  # label draws per token of the Monte-Carlo Fisher (operator fisher)
+    gap_tol: float = GAP_TOL  # nats: descent gap at or below which the model counts as stationary (stationarity)
+    neg_tol: float = NEG_TOL  # relative negative curvature tolerated at a minimum (stationarity)
 
     def __post_init__(self):
         bad = [m for m in self.trace_methods if m not in TRACE_METHODS]
@@ -90,8 +96,20 @@ class SharpnessOptions:
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
         hs.check_hvp_method(self.hvp, hs.resolve_dtype(self.dtype))
+        check_operator(self.operator)
+        if self.hvp != "exact" and self.operator != "hessian":
+            raise CemtoolError(f"--hvp {self.hvp} is a Hessian product; the {self.operator} operator has its own",
+                               hint="drop --hvp, or use --operator hessian")
+        if self.mc_samples < 1:
+            raise CemtoolError(f"mc_samples must be >= 1, got {self.mc_samples}")
+        if self.mc_samples != 1 and self.operator != "fisher":
+            raise CemtoolError("mc_samples is the Monte-Carlo Fisher's", hint="add --operator fisher")
         if self.graph_memory is not None and not (math.isfinite(self.graph_memory) and self.graph_memory >= 0):
             raise CemtoolError(f"graph_memory must be a finite number of GiB >= 0, got {self.graph_memory}")
+        for name in ("gap_tol", "neg_tol"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise CemtoolError(f"{name} must be a finite number > 0, got {v}")
         for name in ("tol", "sam_rho", "asam_rho", "asam_eta", "avg_rho", "slice_span"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -126,6 +144,7 @@ class SharpnessReport:
     sharpness: list[Sharpness] = field(default_factory=list)
     slice_1d: Slice1D | None = None
     slice_2d: Slice2D | None = None
+    standing: Standing | None = None  # where the model stands: stationary or not (curvature.stationarity)
     hvps: int = 0
     evaluations: int = 0
     gradients: int = 0
@@ -143,6 +162,7 @@ class SharpnessReport:
             v = out[key]
             out[key] = None if v is None else {f.name: getattr(v, f.name) for f in fields(v)
                                                 if f.name not in ("vectors_top", "vectors_bottom", "state")}
+        out["standing"] = None if self.standing is None else asdict(self.standing)
         out["traces"] = [asdict(t) for t in self.traces]
         out["sharpness"] = [asdict(s) for s in self.sharpness]
         return out
@@ -156,7 +176,7 @@ class SharpnessReport:
         """One row per estimate: value, its uncertainty and what it cost (the CSV)."""
         o = self.options
         common = {"tokens": self.tokens, "params": o.params, "n_params": self.n_params, "dtype": o.dtype,
-                  "seed": o.seed}
+                  "seed": o.seed, "operator": o.operator}
         rows = [dict(quantity="loss", index=0, value=self.loss, uncertainty=None, uncertainty_kind=None,
                      converged=None, hvps=0, evaluations=1, seconds=None, **common),
                 dict(quantity="grad_norm", index=0, value=self.grad_norm, uncertainty=None, uncertainty_kind=None,
@@ -170,6 +190,14 @@ class SharpnessReport:
                     rows.append(dict(quantity=end, index=i + 1, value=v, uncertainty=er,
                                      uncertainty_kind="error estimate", residual=r, converged=c, hvps=e.hvps,
                                      evaluations=0, seconds=e.seconds, **common))
+        st = self.standing
+        if st is not None:
+            for q, v, u in (("grad_norm_per_sqrt_n", st.grad_norm_per_sqrt_n, None),
+                            ("descent_gap", st.descent_gap, None), ("eigenvalue_ratio", st.lambda_ratio, None),
+                            ("negative_mass", st.negative_mass, st.negative_mass_se)):
+                rows.append(dict(quantity=q, index=0, value=v, uncertainty=u,
+                                 uncertainty_kind="standard error" if u is not None else None, converged=None,
+                                 hvps=0, evaluations=0, seconds=None, verdict=st.verdict, **common))
         for t in self.traces:
             rows.append(dict(quantity=f"trace_{t.method}", index=0, value=t.trace, uncertainty=t.se,
                              uncertainty_kind="standard error", converged=None, hvps=t.hvps, evaluations=0,
@@ -225,8 +253,9 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
     vectors = max(o.lanczos_steps, o.density_steps) + (o.trace_hvps if o.trace_methods else 0)
     budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
-    with Objective(model, x, y, params=o.params, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
-                   graph_budget=budget, vectors=vectors, hvp=o.hvp) as obj:
+    with make_operator(o.operator, model, x, y, params=o.params, dtype=o.dtype, device=o.device,
+                       batch_size=o.batch_size, graph_budget=budget, vectors=vectors, hvp=o.hvp,
+                       mc_samples=o.mc_samples, seed=o.seed) as obj:
         cb = stage("loss and gradient", 1)
         loss0, g = obj.gradient()
         cb(1)
@@ -260,6 +289,13 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             rep.density = slq(obj, o.density_runs, o.density_steps, seed=o.seed + 2, sigma=o.density_sigma,
                               reuse=reuse, callback=stage("spectral density (SLQ)", max(total, 0)))
             end("spectral density (SLQ)")
+        e = rep.eigen
+        rep.standing = certify(
+            grad_norm=rep.grad_norm, n=obj.n, operator=o.operator, psd=o.operator in PSD,
+            lambda_max=e.lambda_max if e is not None and e.top else None,
+            lambda_min=e.bottom[0] if e is not None and e.bottom else None,
+            lambda_min_error=e.bottom_error[0] if e is not None and e.bottom else None, density=rep.density,
+            trace=rep.traces[0] if rep.traces else None, gap_tol=o.gap_tol, neg_tol=o.neg_tol)
         if rep.eigen is not None:
             rep.eigen.state = None  # release the basis
         rep.kept_graph_batches = obj._n_kept
@@ -343,8 +379,9 @@ def measure_per_layer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
     for layer in model_layers(model):
         t0 = time.perf_counter()
         sel = f"layer:{layer}"
-        with Objective(model, x, y, params=sel, dtype=o.dtype, device=o.device, batch_size=o.batch_size,
-                       graph_budget=budget, vectors=max(o.lanczos_steps, o.trace_hvps), hvp=o.hvp) as obj:
+        with make_operator(o.operator, model, x, y, params=sel, dtype=o.dtype, device=o.device,
+                           batch_size=o.batch_size, graph_budget=budget, vectors=max(o.lanczos_steps, o.trace_hvps),
+                           hvp=o.hvp, mc_samples=o.mc_samples, seed=o.seed) as obj:
             eig = tr = None
             if o.lanczos_steps > 0:
                 name, total = f"layer {layer}: λ_max (Lanczos)", min(o.lanczos_steps, obj.n)
@@ -406,10 +443,13 @@ def _slug(params: str) -> str:
 
 
 def report_name(o: Options) -> str:
-    """sharpness, sharpness-<params> for a subset, sharpness-per-layer for the per-layer table."""
+    """sharpness, sharpness-<params> for a subset, sharpness-per-layer for the per-layer table; another operator
+    than the Hessian adds its name (sharpness-ggn, sharpness-ggn-per-layer, ...), so that reports of different
+    operators never overwrite each other."""
+    base = "sharpness" if o.operator == "hessian" else f"sharpness-{o.operator}"
     if o.per_layer:
-        return "sharpness-per-layer"
-    return "sharpness" if o.params == "all" else f"sharpness-{_slug(o.params)}"
+        return f"{base}-per-layer"
+    return base if o.params == "all" else f"{base}-{_slug(o.params)}"
 
 
 @dataclass

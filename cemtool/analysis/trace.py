@@ -1,8 +1,8 @@
 """tr(H) of an operator with a standard error (METHODS §6): Hutchinson, Hutch++ and XTrace.
 
 Each estimator returns a :class:`Trace` (tr(H), its standard error, and tr(H)/n) from a budget of HVPs with
-Rademacher vectors from a seeded generator. Any operator with ``n``, ``hvp`` and ``device``
-(:mod:`cemtool.analysis.operators`) will do.
+Rademacher vectors from a seeded generator. Any operator with ``n``, ``matvec`` and ``device``
+(:mod:`cemtool.analysis.curvature.protocol`) will do.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cemtool.analysis.operators import Callback
+from cemtool.analysis.curvature.protocol import Callback, as_operator
 from cemtool.errors import CemtoolError
 
 
@@ -44,7 +44,7 @@ class _CountedHVP:
         self.op, self.callback, self.done = op, callback, 0
 
     def __call__(self, v: torch.Tensor) -> torch.Tensor:
-        out = self.op.hvp(v).to(torch.float64)
+        out = self.op.matvec(v).to(torch.float64)
         self.done += 1
         if self.callback is not None:
             self.callback(self.done)
@@ -58,6 +58,7 @@ def _trace_result(method: str, est: float, se: float, n: int, hvps: int, t0: flo
 def hutchinson(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = None) -> Trace:
     """Hutchinson's estimator tr(H) ~ (1/m) sum z_i^T H z_i with Rademacher z_i (Hutchinson 1989);
     standard error = sample std / sqrt(m)."""
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     if hvps < 2:
         raise CemtoolError("the trace needs at least 2 HVPs for a standard error")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
@@ -75,6 +76,7 @@ def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | 
     """Hutch++ (Meyer, Musco, Musco & Woodruff 2021): with m HVPs, sketch Q = orth(H S) from k = m/3 Rademacher
     columns, take tr(Q^T H Q) exactly (k HVPs) and Hutchinson on the deflated rest (I - QQ^T) H (I - QQ^T) with
     the remaining m - 2k vectors. Unbiased; its standard error is that of the Hutchinson part."""
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     if hvps < 4:
         raise CemtoolError("Hutch++ needs at least 4 HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
@@ -134,6 +136,7 @@ def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = No
     s_i^T) restricted, with s_i the normalised i-th column of R^{-T}, and H Q_(i), w_i^T H Q come from Z and R.
     The standard error is the jackknife over the s pairs (:func:`_xtrace_jackknife_se`; the authors' std(t_i)/
     sqrt(s) is too small because the t_i share samples: RMS error/SE up to 1.7 on real Hessians)."""
+    op = as_operator(op)  # a dense (n, n) tensor is an operator too
     if hvps < 4:
         raise CemtoolError("XTrace needs at least 4 HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)

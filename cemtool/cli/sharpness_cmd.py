@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
@@ -64,8 +65,16 @@ def _pm(v, se) -> str:
 
 def _summary(rep, header: str) -> list[list[str]]:
     """Rows of the stdout table: quantity, value (± uncertainty), cost/notes."""
-    rows = [["loss (nats/token)", _fmt(rep.loss), f"{rep.tokens:,} tokens"],
-            ["‖grad‖", _fmt(rep.grad_norm), ""]]
+    A = SYMBOLS[rep.options.operator]
+    rows = [["operator", rep.options.operator, OPERATOR_NAMES[rep.options.operator]],
+            ["loss (nats/token)", _fmt(rep.loss), f"{rep.tokens:,} tokens"],
+            ["‖grad‖", _fmt(rep.grad_norm), f"‖g‖/√n = {_fmt(rep.grad_norm / max(rep.n_params, 1) ** 0.5, 3)}"]]
+    st = rep.standing
+    if st is not None:
+        rows.append(["where it stands", st.verdict, st.reason])
+        if st.negative_mass is not None:
+            rows.append(["mass below 0 (SLQ)", _pm(st.negative_mass, st.negative_mass_se),
+                         "fraction of the spectrum" + ("" if st.negative_mass_se is not None else " (1 run: no SE)")])
     e = rep.eigen
     if e is not None:
         for i, (v, r, ok) in enumerate(zip(e.top, e.top_error, e.top_converged, strict=True)):
@@ -75,8 +84,8 @@ def _summary(rep, header: str) -> list[list[str]]:
             rows.append([f"λ_bottom[{i + 1}]" if i else "λ_min", f"{_fmt(v)} (err ≤~{_fmt(r, 2)})",
                          "converged" if ok else "NOT converged (raise --lanczos-steps)"])
     for t in rep.traces:
-        rows.append([f"tr(H) {t.method}", _pm(t.trace, t.se), f"{t.hvps} HVPs"])
-        rows.append([f"tr(H)/n {t.method}", _pm(t.per_param, t.per_param_se), f"n = {t.n:,} parameters"])
+        rows.append([f"tr({A}) {t.method}", _pm(t.trace, t.se), f"{t.hvps} products"])
+        rows.append([f"tr({A})/n {t.method}", _pm(t.per_param, t.per_param_se), f"n = {t.n:,} parameters"])
     d = rep.density
     if d is not None:
         rows.append(["density (SLQ)", f"{d.runs} run(s) × {d.steps} steps", f"σ = {_fmt(d.sigma, 3)}, "
@@ -129,6 +138,11 @@ def sharpness(
     hvp: Annotated[str, typer.Option(help="Hessian-vector products: exact (double backward, default) or fd (central "
                                           "difference of two gradients: a gradient's memory, ~1e-9 relative error; "
                                           "needs --dtype fp64)")] = "exact",
+    operator: Annotated[str, typer.Option(help="curvature operator: hessian (default), ggn (generalised Gauss-Newton, "
+                                               "PSD), ef (empirical Fisher) or fisher (Monte-Carlo Fisher); see "
+                                               "docs/sharpness.md")] = "hessian",
+    mc_samples: Annotated[int, typer.Option(help="label draws per token of --operator fisher (seeded by --seed; "
+                                                 "default 1)", min=1)] = 1,
     params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
                                              "parameter names (comma-separated union); default all")] = "all",
     per_layer: Annotated[bool, typer.Option("--per-layer", help="one table instead: λ_max and tr(H) of each layer's "
@@ -199,7 +213,7 @@ def sharpness(
         sam_rho=sam_rho, asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho,
         landscape=landscape, slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11), slice_span=slice_span,
-        seed=seed, graph_memory=graph_memory, hvp=hvp)
+        seed=seed, graph_memory=graph_memory, hvp=hvp, operator=operator, mc_samples=mc_samples)
     if per_layer:
         check_per_layer(opts)  # what --per-layer can measure: a plain error (exit 1), before anything is loaded
     if name is not None:
@@ -283,6 +297,9 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
     from cemtool.analysis.sharpness import report_name  # start-up (torch)
     from cemtool.jobs import run_job  # start-up: torch
 
+    if opts.operator != "hessian":
+        raise UsageError(f"--operator {opts.operator} is cemtool's own; PyHessian computes Hessian products only",
+                         hint="drop --operator, or use --backend cemtool")
     if opts.hvp != "exact":
         raise UsageError("--hvp fd is cemtool's own HVP; PyHessian computes its products by double backward",
                          hint="drop --hvp, or use --backend cemtool")

@@ -528,3 +528,27 @@ def test_a_mistyped_report_name_gets_did_you_mean(tmp_path, no_compute):
     fake_run(tmp_path, "r2", "baseline", 2, 5.0, collapse=[(2.0, 0.5)])  # something to compare: a note instead
     notes = compare([tmp_path], names={"sharpness": "sharpnes"})["notes"]
     assert any("compare reads 'sharpnes': did you mean 'sharpness'?" in n for n in notes), notes
+
+
+def test_operators_never_share_a_column_and_the_runs_standing_and_total_trace_are_shown(tmp_path, no_compute):
+    """Reports of different curvature operators are refused in one comparison (a GGN λ_max is not a Hessian
+    λ_max); the stationarity verdicts are counted in a note; when the runs' n differ the total trace is shown and
+    a note says to read it beside tr/n."""
+    for seed, (op, n) in enumerate((("hessian", 100), ("hessian", 115))):
+        d = fake_run(tmp_path, f"r{seed}", "baseline" if seed == 0 else "tmm", seed, 5.0)
+        for name, operator in (("sharpness", op), ("sharpness-ggn", "ggn")):
+            rep = sharpness_report(1024, 1.0 + seed, operator=operator)
+            rep.update(n_params=n, standing={"verdict": "not stationary"},
+                       traces=[{"trace": 2.0 * n, "se": 1.0, "per_param": 2.0, "per_param_se": 0.01}])
+            (d / "reports" / f"{name}.json").write_text(json.dumps(rep))
+    p = compare([tmp_path])
+    assert [r["trace"] for r in p["runs"]] == [200.0, 230.0] and [r["curvature_n"] for r in p["runs"]] == [100, 115]
+    assert any("2 not stationary" in n and "no run is certified a minimum" in n for n in p["notes"])
+    assert any("dimensions n differ (100 to 115" in n for n in p["notes"])
+    assert "trace" in p["metrics"]
+    ggn = compare([tmp_path], names={"sharpness": "sharpness-ggn"})
+    assert any("of the ggn operator, not the Hessian" in n for n in ggn["notes"])
+    (tmp_path / "r1" / "reports" / "sharpness.json").write_text(
+        (tmp_path / "r1" / "reports" / "sharpness-ggn.json").read_text())
+    with pytest.raises(CemtoolError, match="different operators"):
+        compare([tmp_path])

@@ -10,14 +10,14 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cemtool.analysis.curvature import (
+from cemtool.analysis.hessian import DenseOperator, lanczos
+from cemtool.analysis.tracking import (
     CurvatureTracker,
     Preconditioned,
     adam_preconditioner,
     threshold_adam,
     threshold_gd,
 )
-from cemtool.analysis.hessian import DenseOperator, lanczos
 from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError, ConfigError

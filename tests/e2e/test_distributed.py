@@ -27,6 +27,8 @@ from cemtool.analysis.collapse import ProbeClasses, collapse_report
 from cemtool.analysis.saturation import rank_truncation
 from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
 from cemtool.config import replace, resolve
+from cemtool.analysis.curvature.operators import make_operator
+from cemtool.analysis.hessian import lanczos, xtrace
 from cemtool.distributed import init_distributed
 from cemtool.models import build_model
 
@@ -57,7 +59,12 @@ def measure(die: bool = False) -> dict:
     classes = ProbeClasses(["a", "b"], [[1, 2, 3, 4], [5, 6, 7, 8]], "words")
     col = collapse_report(model, x, classes=classes, folds=2, per_class=6, batch_size=2)
     sat = rank_truncation(model, x, y, ranks=[0, 2, 4], basis="data", batch_size=2, per_head=True)
-    return {"loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,
+    ops = {}
+    for name in ("ggn", "ef", "fisher"):  # every other operator: 4 Lanczos steps and a 4-product trace
+        with make_operator(name, model, x, y, dtype="fp64", batch_size=2, mc_samples=2, seed=3) as op:
+            eig = lanczos(op, 1, 1, max_steps=4, seed=1)
+            ops[f"op_{name}"] = [*eig.top, *eig.bottom, xtrace(op, 4, seed=2).trace]
+    return {**ops, "loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,
             "traces": [t.trace for t in rep.traces], "sharpness": [s.value for s in rep.sharpness],
             "slice_1d": list(rep.slice_1d.losses), "slice_2d": [v for r in rep.slice_2d.losses for v in r],
             "density": list(rep.density.density), "batches": [rep.batches],

@@ -89,8 +89,8 @@ class Preconditioned:
         self.op, self.n, self.device, self.dtype = op, op.n, op.device, op.dtype
         self.half = D.to(device=op.device, dtype=torch.float64).sqrt()  # (n,)
 
-    def hvp(self, v: torch.Tensor) -> torch.Tensor:
-        return self.half * self.op.hvp(self.half * v.to(torch.float64))  # (n,)
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        return self.half * self.op.matvec(self.half * v.to(torch.float64))  # (n,)
 
 
 def _finite(x: float) -> float | None:

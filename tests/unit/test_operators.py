@@ -1,0 +1,154 @@
+"""The GGN, empirical Fisher and Monte-Carlo Fisher operators against dense matrices built independently
+(torch.func Jacobians of the logits and of the per-token losses), their PSD-ness, and the Monte-Carlo Fisher's
+expectation (the GGN)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, jacrev
+
+from cemtool.analysis.curvature.operators import GGN, EmpiricalFisher, MCFisher, make_operator
+from cemtool.analysis.curvature.protocol import DenseOperator, as_operator
+from cemtool.analysis.hessian import Objective, lanczos, xtrace
+from cemtool.errors import CemtoolError
+from cemtool.models import attention_impl
+
+from kit import tiny_model, tiny_tokens
+
+V, T = 12, 6
+
+
+def setup(arch: str = "baseline"):
+    model = tiny_model(arch, d_model=8, n_layer=1, n_head=2, mlp_hidden=8, vocab=V, seq_len=T)
+    x, y = tiny_tokens(3, T, V, seed=2)
+    return model, x, y
+
+
+def jacobian(model, x, fn):
+    """d fn(logits) / d w for every parameter, float64: (outputs..., n), by torch.func (no cemtool code)."""
+    work = copy.deepcopy(model).to(torch.float64).eval()
+    names = [n for n, _ in work.named_parameters()]
+    w0 = {n: p.detach() for n, p in work.named_parameters()}
+
+    def f(ws):
+        with attention_impl("explicit"):
+            return fn(functional_call(work, ws, (x,)))
+
+    jac = jacrev(f)(w0)
+    out = f(w0).detach()
+    return out, torch.cat([jac[n].reshape(*out.shape, -1) for n in names], dim=-1)
+
+
+def dense(op) -> torch.Tensor:
+    return torch.stack([op.matvec(e) for e in torch.eye(op.n, dtype=torch.float64)], dim=1)  # (n, n)
+
+
+@pytest.fixture(scope="module")
+def problem():
+    model, x, y = setup()
+    logits, J = jacobian(model, x, lambda z: z)  # (B, T, V), (B, T, V, n)
+    N = y.numel()
+    p = torch.softmax(logits, -1)  # (B, T, V)
+    H = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]  # (B, T, V, V)
+    G = torch.einsum("btvi,btvw,btwj->ij", J, H, J) / N
+    losses, Jl = jacobian(model, x, lambda z: F.cross_entropy(z.flatten(0, 1), y.reshape(-1), reduction="none"))
+    E = Jl.T @ Jl / N
+    return model, x, y, G, E
+
+
+def test_ggn_equals_the_dense_gauss_newton_and_is_psd(problem):
+    model, x, y, G, _ = problem
+    with GGN(model, x, y, dtype="fp64") as op:
+        A = dense(op)
+    assert torch.allclose(A, G, rtol=1e-8, atol=1e-12 * float(G.abs().max()))
+    ev = torch.linalg.eigvalsh((A + A.T) / 2)
+    assert float(ev.min()) >= -1e-10 * float(ev.max())
+
+
+def test_ggn_is_not_the_hessian(problem):
+    """The check can fail: the Hessian of the same model and tokens is another matrix (and indefinite)."""
+    model, x, y, G, _ = problem
+    with Objective(model, x, y, dtype="fp64") as op:
+        Hm = dense(op)
+    assert float((Hm - G).abs().max()) > 1e-3 * float(G.abs().max())
+    assert float(torch.linalg.eigvalsh((Hm + Hm.T) / 2).min()) < 0
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 3])
+def test_empirical_fisher_equals_per_token_gradient_outer_products(problem, batch_size):
+    model, x, y, _, E = problem
+    with EmpiricalFisher(model, x, y, dtype="fp64", batch_size=batch_size) as op:
+        A = dense(op)
+    assert torch.allclose(A, E, rtol=1e-8, atol=1e-12 * float(E.abs().max()))
+
+
+def test_mc_fisher_equals_the_outer_products_at_its_own_labels(problem):
+    model, x, y, _, _ = problem
+    with MCFisher(model, x, y, dtype="fp64", mc_samples=3, seed=5, batch_size=2) as op:
+        A = dense(op)
+        labels = torch.cat(op.labels)  # (B, T, S)
+    assert labels.shape == (*y.shape, 3) and int(labels.max()) < V
+    _, Jl = jacobian(model, x, lambda z: -torch.log_softmax(z, -1).gather(-1, labels))  # (B, T, S, n)
+    Jl = Jl.reshape(-1, Jl.shape[-1])
+    want = Jl.T @ Jl / (y.numel() * 3)
+    assert torch.allclose(A, want, rtol=1e-8, atol=1e-12 * float(want.abs().max()))
+
+
+def test_mc_fisher_is_seeded_and_its_mean_is_the_ggn(problem):
+    model, x, y, G, _ = problem
+    kw = dict(dtype="fp64", mc_samples=1)
+    with MCFisher(model, x, y, seed=1, **kw) as a, MCFisher(model, x, y, seed=1, batch_size=1, **kw) as b, \
+            MCFisher(model, x, y, seed=2, **kw) as c:
+        assert all(torch.equal(u, v) for u, v in zip(a.labels, [torch.cat(b.labels)], strict=True))
+        assert not torch.equal(torch.cat(a.labels), torch.cat(c.labels))
+    # tr(F_s) over 200 independent draws: their mean equals tr(G) within 4 standard errors
+    traces = []
+    for s in range(200):
+        with MCFisher(model, x, y, seed=100 + s, **kw) as op:
+            traces.append(_trace_at_labels(model, x, torch.cat(op.labels)))
+    t = torch.tensor(traces)
+    se = float(t.std() / len(t) ** 0.5)
+    assert abs(float(t.mean()) - float(torch.trace(G))) < 4 * se
+    assert se < 0.2 * float(torch.trace(G))  # the test has power: a factor 1.8 error in tr(F) would fail it
+
+
+def _trace_at_labels(model, x, labels) -> float:
+    _, Jl = jacobian(model, x, lambda z: -torch.log_softmax(z, -1).gather(-1, labels))
+    return float((Jl ** 2).sum()) / (labels.shape[0] * labels.shape[1] * labels.shape[2])
+
+
+@pytest.mark.parametrize("arch", ["cem", "tmm", "lime"])
+def test_other_families_ggn_equals_dense(arch):
+    model, x, y = setup(arch)
+    logits, J = jacobian(model, x, lambda z: z)
+    p = torch.softmax(logits, -1)
+    H = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]
+    G = torch.einsum("btvi,btvw,btwj->ij", J, H, J) / y.numel()
+    with make_operator("ggn", model, x, y, dtype="fp64") as op:
+        eig = lanczos(op, 3, 1, max_steps=op.n, tol=1e-10)
+    ev = torch.linalg.eigvalsh(G)
+    assert eig.top == pytest.approx(ev.flip(0)[:3].tolist(), rel=1e-8)
+    assert eig.bottom[0] == pytest.approx(float(ev[0]), abs=1e-8 * float(ev[-1]))
+
+
+def test_a_dense_tensor_is_an_operator():
+    A = torch.randn(30, 30, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    A = A + A.T
+    ev = torch.linalg.eigvalsh(A)
+    assert lanczos(A, 2, 1, max_steps=30, tol=1e-10).top == pytest.approx(ev.flip(0)[:2].tolist(), rel=1e-9)
+    assert xtrace(A, 60).trace  # 2n products: exact == pytest.approx(float(torch.trace(A)), rel=1e-9)
+    assert isinstance(as_operator(A), DenseOperator) and as_operator(A).size == 30
+
+
+def test_bad_operator_requests_are_one_clear_error(problem):
+    model, x, y, _, _ = problem
+    with pytest.raises(CemtoolError, match="unknown curvature operator"):
+        make_operator("gauss", model, x, y)
+    with pytest.raises(CemtoolError, match="Hessian product"):
+        make_operator("ggn", model, x, y, dtype="fp64", hvp="fd")
+    with pytest.raises(CemtoolError, match="mc_samples"):
+        make_operator("fisher", model, x, y, mc_samples=0)
