@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from cemtool.analysis import hessian as hs
+from cemtool.analysis.curvature.blocks import blocks_of, check_blocks
 from cemtool.analysis.curvature.operators import PSD, check_operator, make_operator
 from cemtool.analysis.curvature.stationarity import GAP_TOL, NEG_TOL, Standing, certify
 from cemtool.analysis.hessian import Callback, Density, Eigenvalues, Trace, lanczos, slq
@@ -331,10 +332,12 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 @dataclass
 class LayerCurvature:
-    """λ_max and tr(H) of one layer's block H_SS of the Hessian (S = the parameters ``blocks.<layer>.*``)."""
+    """λ_max and trace of one block A_SS of the operator (S = a parameter block, curvature.blocks: a layer's
+    ``blocks.<layer>.*``, one tensor kind of a layer, or a glob)."""
 
-    layer: int
-    params: str  # the selection, layer:N
+    layer: int | None  # None: a block outside the layers (embeddings, final norm) or a glob
+    params: str  # the selection: layer:N, or the block's parameter names
+    n_params: int
     n_params: int
     lambda_max: float | None
     lambda_max_error: float | None  # Kato-Temple error estimate (hessian.Eigenvalues)
@@ -347,6 +350,8 @@ class LayerCurvature:
     trace_method: str | None
     trace_hvps: int
     seconds: float
+    block: str = ""  # the table's row label: "layer 3", "layer 3: q", "outside layers: embed", or the glob
+    kind: str | None = None  # the tensor kind (--blocks kind), None for a layer or a glob
 
 
 def model_layers(model: torch.nn.Module) -> list[int]:
@@ -367,37 +372,39 @@ def check_per_layer(o: SharpnessOptions) -> None:
 
 
 def measure_per_layer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, options: SharpnessOptions,
-                      progress: Progress | None = None) -> list[LayerCurvature]:
-    """For each layer N, λ_max (Lanczos, top 1) and tr(H) (``options.trace_methods[0]``, with its standard error)
-    of the Hessian restricted to ``layer:N`` (the block H_SS, see Objective), on the evaluation set (x, y). The same
-    seeds for every layer; budgets ``lanczos_steps`` and ``trace_hvps`` per layer (0 skips)."""
+                      progress: Progress | None = None, blocks: str = "layer") -> list[LayerCurvature]:
+    """For each parameter block (``blocks``: layer, kind or globs, curvature.blocks), λ_max (Lanczos, top 1) and
+    the trace (``options.trace_methods[0]``, with its standard error) of the operator restricted to that block (the
+    block A_SS, see Objective), on the evaluation set (x, y). The same seeds for every block; budgets
+    ``lanczos_steps`` and ``trace_hvps`` per block (0 skips)."""
     o = options
     check_per_layer(o)
     method = o.trace_methods[0] if o.trace_methods and o.trace_hvps > 0 else None
     budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
     out = []
-    for layer in model_layers(model):
+    for blk in blocks_of(hs.select_parameters(model, "all"), blocks):
         t0 = time.perf_counter()
-        sel = f"layer:{layer}"
+        sel = f"layer:{blk.layer}" if blocks == "layer" else blk.spec
         with make_operator(o.operator, model, x, y, params=sel, dtype=o.dtype, device=o.device,
                            batch_size=o.batch_size, graph_budget=budget, vectors=max(o.lanczos_steps, o.trace_hvps),
                            hvp=o.hvp, mc_samples=o.mc_samples, seed=o.seed) as obj:
             eig = tr = None
             if o.lanczos_steps > 0:
-                name, total = f"layer {layer}: λ_max (Lanczos)", min(o.lanczos_steps, obj.n)
+                name, total = f"{blk.label}: λ_max (Lanczos)", min(o.lanczos_steps, obj.n)
                 eig = lanczos(obj, 1, 0, max_steps=o.lanczos_steps, tol=o.tol, seed=o.seed,
                               callback=_stage_callback(progress, name, total))
                 if progress is not None and eig.hvps < total:
                     progress(name, eig.hvps, eig.hvps)  # stopped early: the bar completes at what was done
             if method is not None:
                 tr = TRACE_METHODS[method](obj, o.trace_hvps, seed=o.seed + 1,
-                                           callback=_stage_callback(progress, f"layer {layer}: trace ({method})",
+                                           callback=_stage_callback(progress, f"{blk.label}: trace ({method})",
                                                                     o.trace_hvps))
             out.append(LayerCurvature(
-                layer, sel, obj.n, eig.lambda_max if eig else None, eig.top_error[0] if eig else None,
-                eig.top_converged[0] if eig else None, eig.hvps if eig else 0, tr.trace if tr else None,
-                tr.se if tr else None, tr.per_param if tr else None, tr.per_param_se if tr else None, method,
-                tr.hvps if tr else 0, time.perf_counter() - t0))
+                blk.layer, sel if blocks == "layer" else blk.label, obj.n, eig.lambda_max if eig else None,
+                eig.top_error[0] if eig else None, eig.top_converged[0] if eig else None, eig.hvps if eig else 0,
+                tr.trace if tr else None, tr.se if tr else None, tr.per_param if tr else None,
+                tr.per_param_se if tr else None, method, tr.hvps if tr else 0, time.perf_counter() - t0,
+                block=blk.label, kind=blk.kind))
     return out
 
 
@@ -407,8 +414,8 @@ def _stage_callback(progress: Progress | None, name: str, total: int) -> Callbac
     return lambda done: progress(name, done, total) if progress is not None else None
 
 
-PER_LAYER_COLUMNS = ["layer", "n_params", "lambda_max", "lambda_max_error", "lambda_max_converged", "trace",
-                     "trace_se", "trace_per_param", "trace_per_param_se", "trace_method", "lanczos_hvps",
+PER_LAYER_COLUMNS = ["block", "layer", "kind", "n_params", "lambda_max", "lambda_max_error", "lambda_max_converged",
+                     "trace", "trace_se", "trace_per_param", "trace_per_param_se", "trace_method", "lanczos_hvps",
                      "trace_hvps", "seconds"]
 
 
@@ -424,6 +431,7 @@ class Options(SharpnessOptions):
 
     tokens: int = 2048
     per_layer: bool = False
+    blocks: str | None = None  # layer | kind | globs: one table of the blocks' λ_max and trace (per_layer = layer)
 
     def __post_init__(self):
         check_types(self, "sharpness")
@@ -431,6 +439,17 @@ class Options(SharpnessOptions):
         super().__post_init__()
         if self.per_layer and self.params != "all":
             raise CemtoolError("per_layer measures every layer:N in turn; leave out params (--params)")
+        if self.blocks is not None:
+            check_blocks(self.blocks)
+            if self.per_layer and self.blocks != "layer":
+                raise CemtoolError("per_layer is blocks=layer; give one of them")
+            if self.params != "all":
+                raise CemtoolError("blocks divide every parameter into groups; leave out params (--params)")
+
+    @property
+    def block_spec(self) -> str | None:
+        """The blocks measured one at a time (None: the whole selection at once)."""
+        return "layer" if self.per_layer else self.blocks
 
     def measurement(self, device: str) -> SharpnessOptions:
         """The options as the measurement (and its report's ``options``) records them."""
@@ -447,8 +466,10 @@ def report_name(o: Options) -> str:
     than the Hessian adds its name (sharpness-ggn, sharpness-ggn-per-layer, ...), so that reports of different
     operators never overwrite each other."""
     base = "sharpness" if o.operator == "hessian" else f"sharpness-{o.operator}"
-    if o.per_layer:
+    if o.block_spec == "layer":
         return f"{base}-per-layer"
+    if o.block_spec is not None:
+        return f"{base}-blocks-{_slug(o.block_spec)}"
     return base if o.params == "all" else f"{base}-{_slug(o.params)}"
 
 
@@ -463,9 +484,12 @@ class PerLayerReport:
     arch: str
     seconds: float = 0.0
 
+    blocks: str = "layer"
+
     def payload(self) -> dict:
+        """``layers``: one row per block (a layer's, with --per-layer or blocks=layer)."""
         return {"options": asdict(self.options), "tokens": self.tokens, "seq_len": self.seq_len,
-                "layers": [asdict(r) for r in self.layers]}
+                "blocks": self.blocks, "layers": [asdict(r) for r in self.layers]}
 
     def rows(self) -> list[dict]:
         return [{c: getattr(r, c) for c in PER_LAYER_COLUMNS} for r in self.layers]
@@ -475,7 +499,9 @@ class PerLayerReport:
                     tokens=self.tokens, device=self.options.device, seq_len=self.seq_len)
 
     def files(self) -> dict[str, str]:
-        return {".md": f"# Per-layer curvature ({self.tokens:,} tokens, seed {self.options.seed})\n\n"
+        what = "Per-layer" if self.blocks == "layer" else f"Per-block ({self.blocks})"
+        return {".md": f"# {what} curvature, {self.options.operator} ({self.tokens:,} tokens, seed "
+                       f"{self.options.seed})\n\n"
                        + markdown_table(self.rows(), PER_LAYER_COLUMNS)}
 
 
@@ -486,10 +512,11 @@ def measure(subject, options: Options | None = None, progress: Progress | None =
     o = options or Options()
     x, y = subject.eval_set(o.tokens)  # (n, T) inputs and targets
     m = o.measurement(subject.device)
-    if o.per_layer:
+    if o.block_spec is not None:
         t0 = time.perf_counter()
-        layers = measure_per_layer(subject.model, x, y, m, progress=progress)
-        return PerLayerReport(m, layers, int(y.numel()), int(x.shape[1]), subject.arch, time.perf_counter() - t0)
+        layers = measure_per_layer(subject.model, x, y, m, progress=progress, blocks=o.block_spec)
+        return PerLayerReport(m, layers, int(y.numel()), int(x.shape[1]), subject.arch, time.perf_counter() - t0,
+                              blocks=o.block_spec)
     rep = measure_sharpness(subject.model, x, y, m, progress=progress, tokens_requested=o.tokens)
     rep.arch = subject.arch
     return rep

@@ -148,6 +148,10 @@ def sharpness(
     per_layer: Annotated[bool, typer.Option("--per-layer", help="one table instead: λ_max and tr(H) of each layer's "
                                                                 "own block of the Hessian (layer:N, every N)")]
     = False,
+    blocks: Annotated[Optional[str], typer.Option(help="one table instead: λ_max and trace of each block of the "
+                                                      "operator: layer (= --per-layer), kind (q, k, v, o, mlp-in, "
+                                                      "mlp-out, embed, norm per layer) or globs on parameter names "
+                                                      "(comma-separated, each one block)")] = None,
     top_k: Annotated[int, typer.Option(help="largest eigenvalues (default 5)", min=0)] = 5,
     bottom_k: Annotated[int, typer.Option(help="smallest eigenvalues (default 1)", min=0)] = 1,
     lanczos_steps: Annotated[int, typer.Option(help="HVP cap of the eigenvalue Lanczos run (default 40)", min=0)]
@@ -205,16 +209,16 @@ def sharpness(
         given.update({k: v for k, v in QUICK.items() if not _given(ctx, k)})
     if given["tokens"] <= 0:  # the option's own name (sharpness.Options says tokens)
         raise UsageError(f"--tokens must be positive, got {given['tokens']}", hint="the loss is a mean over tokens")
-    _check_per_layer_usage(per_layer, params, backend)
+    _check_per_layer_usage(per_layer or blocks is not None, params, backend)
     opts = _options(  # validated before anything is loaded
         **{k: v for k, v in given.items() if k not in ("slice_points", "slice_points_2d")},
-        params=params, dtype=dtype, batch_size=batch_size, tol=tol, per_layer=per_layer,
+        params=params, dtype=dtype, batch_size=batch_size, tol=tol, per_layer=per_layer, blocks=blocks,
         trace_methods=tuple(m.strip() for m in trace_method.split(",") if m.strip()), density_sigma=density_sigma,
         sam_rho=sam_rho, asam_rho=asam_rho, asam_eta=asam_eta, ascent_steps=ascent_steps, avg_rho=avg_rho,
         landscape=landscape, slice_points=slice_points or (QUICK["slice_points"] if quick else 21),
         slice_points_2d=slice_points or (QUICK["slice_points_2d"] if quick else 11), slice_span=slice_span,
         seed=seed, graph_memory=graph_memory, hvp=hvp, operator=operator, mc_samples=mc_samples)
-    if per_layer:
+    if opts.block_spec:
         check_per_layer(opts)  # what --per-layer can measure: a plain error (exit 1), before anything is loaded
     if name is not None:
         safe_name(name, "--name")
@@ -238,7 +242,7 @@ def sharpness(
     if json_:
         console.print_json(to_json_value(res.payload))  # strict JSON: null for non-finite numbers, as in the report
         return
-    if per_layer:
+    if opts.block_spec:
         _print_per_layer(res, time.perf_counter() - t0)
         return
     rep, paths, figures = res.report, res.paths, res.figures
@@ -254,25 +258,26 @@ def sharpness(
 
 def _check_per_layer_usage(per_layer: bool, params: str, backend: str) -> None:
     if per_layer and params != "all":
-        raise typer.BadParameter("--per-layer measures every layer:N in turn; leave out --params",
+        raise typer.BadParameter("--per-layer and --blocks measure every block in turn; leave out --params",
                                  param_hint="--per-layer")
     if per_layer and backend != "cemtool":
-        raise typer.BadParameter("--per-layer is cemtool's own measurement", param_hint="--backend")
+        raise typer.BadParameter("--per-layer and --blocks are cemtool's own measurement", param_hint="--backend")
 
 
 def _print_per_layer(res, seconds: float) -> None:
     """--per-layer: the table of each layer's λ_max and tr(H)."""
-    layers, opts = res.report.layers, res.report.options
-    rows = [[str(r.layer), f"{r.n_params:,}",
+    layers, opts, A = res.report.layers, res.report.options, SYMBOLS[res.report.options.operator]
+    rows = [[r.block or str(r.layer), f"{r.n_params:,}",
              "" if r.lambda_max is None else f"{_fmt(r.lambda_max)} (err ≤~{_fmt(r.lambda_max_error, 2)})",
              "" if r.lambda_max_converged is None else ("yes" if r.lambda_max_converged else "NOT converged"),
              _pm(r.trace, r.trace_se) if r.trace is not None else "",
              _pm(r.trace_per_param, r.trace_per_param_se) if r.trace is not None else "",
              f"{r.lanczos_hvps} + {r.trace_hvps}"] for r in layers]
-    console.table(f"per-layer curvature of {res.report.arch} on N = {res.report.tokens:,} tokens "
+    what = "per-layer" if res.report.blocks == "layer" else f"per-block ({res.report.blocks})"
+    console.table(f"{what} curvature ({opts.operator}) of {res.report.arch} on N = {res.report.tokens:,} tokens "
                   f"(trace: {layers[0].trace_method or 'skipped'}, ± standard error)",
-                  ["layer", "parameters", "λ_max", "converged", "tr(H)", "tr(H)/n", "HVPs"], rows)
-    console.result(f"{len(layers)} layers in {seconds:.1f} s; seed {opts.seed}")
+                  ["block", "parameters", "λ_max", "converged", f"tr({A})", f"tr({A})/n", "products"], rows)
+    console.result(f"{len(layers)} blocks in {seconds:.1f} s; seed {opts.seed}")
     console.result(f"report: {res.paths['json']}  table: {res.paths['csv']}, {res.paths['md']}")
 
 

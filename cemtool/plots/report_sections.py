@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
 from cemtool.plots.compare import layer_of
 from cemtool.report import SPREAD, fmt, markdown_table, report_kind, report_options
 
@@ -257,13 +258,17 @@ def layers_section(reports: list[dict]) -> str:
 
 def per_layer_section(report: dict) -> str:
     """The table of ``cemtool sharpness --per-layer``: λ_max and tr(H) of each layer's Hessian block."""
-    rows = [{"layer": r["layer"], "parameters": _int(r.get("n_params")),
+    operator = (report.get("options") or {}).get("operator", "hessian")
+    A, blocks = SYMBOLS.get(operator, "A"), report.get("blocks", "layer")
+    rows = [{"block": r.get("block") or r["layer"], "parameters": _int(r.get("n_params")),
              "λ_max": "-" if r.get("lambda_max") is None else
              fmt(r["lambda_max"]) + ("" if r.get("lambda_max_converged") else " (not converged)"),
-             "tr(H)": "-" if r.get("trace") is None else pm(r["trace"], r["trace_se"]),
-             "tr(H)/n": "-" if r.get("trace") is None else pm(r["trace_per_param"], r["trace_per_param_se"])}
+             f"tr({A})": "-" if r.get("trace") is None else pm(r["trace"], r["trace_se"]),
+             f"tr({A})/n": "-" if r.get("trace") is None else pm(r["trace_per_param"], r["trace_per_param_se"])}
             for r in report["layers"]]
-    return (f"Hessian restricted to each layer's parameters (`cemtool sharpness --per-layer`), "
+    what = ("each layer's parameters (`cemtool sharpness --per-layer`)" if blocks == "layer" else
+            f"each parameter block (`cemtool sharpness --blocks {blocks}`)")
+    return (f"{OPERATOR_NAMES.get(operator, operator).capitalize()} restricted to {what}, "
             f"{_int(report.get('tokens'))} tokens.\n\n" + markdown_table(rows))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -36,16 +37,33 @@ def test_per_layer_command_writes_one_table(run_copy):
     assert rep["provenance"]["analysis"] == "sharpness_per_layer" and rep["tokens"] == 64
     reports = f"{run_copy}/reports/sharpness-per-layer"
     csv = open(reports + ".csv").read().splitlines()
-    assert csv[0].startswith("layer,n_params,lambda_max,lambda_max_error,lambda_max_converged,trace,trace_se")
+    assert csv[0].startswith("block,layer,kind,n_params,lambda_max,lambda_max_error,lambda_max_converged,trace,"
+                             "trace_se")
     assert len(csv) == 3
     md = open(reports + ".md").read()
-    assert "| layer | n_params | lambda_max |" in md and md.count("\n| ") == 3  # header + 2 layers
+    assert "| block | layer | kind | n_params | lambda_max |" in md and md.count("\n| ") == 3  # header + 2 layers
     text = runner.invoke(app, args[:-1])
     assert text.exit_code == 0 and "per-layer curvature" in text.stdout and "converged" in text.stdout
     # report.md shows the table; the plot command takes the report for what it is
     res = runner.invoke(app, ["plot", run_copy])
     assert res.exit_code == 0, res.output
     assert "Curvature per layer" in open(f"{run_copy}/report.md").read()
+
+
+def test_blocks_by_kind_of_another_operator_is_its_own_report(run_copy):
+    args = ["sharpness", run_copy, "--blocks", "kind", "--operator", "ggn", "--quick", "--tokens", "64",
+            "--lanczos-steps", "6", "--trace-hvps", "4", "--device", "cpu"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    assert "per-block (kind) curvature (ggn)" in res.stdout and "tr(G)" in res.stdout
+    rep = json.loads(open(f"{run_copy}/reports/sharpness-ggn-blocks-kind.json").read())
+    assert rep["blocks"] == "kind" and rep["options"]["operator"] == "ggn"
+    kinds = {(r["layer"], r["kind"]) for r in rep["layers"]}
+    assert {(0, "q"), (1, "mlp-out"), (None, "embed")} <= kinds
+    assert all(r["lambda_max"] >= 0 for r in rep["layers"])  # a PSD operator's blocks are PSD
+    assert not Path(run_copy, "reports", "sharpness-per-layer.json").exists()  # the Hessian's report untouched
+    bad = runner.invoke(app, ["sharpness", run_copy, "--blocks", "layer,kind", "--device", "cpu"])
+    assert bad.exit_code != 0 and bad.output.count("Error") == 1
 
 
 @pytest.mark.parametrize("args, code, words", [
