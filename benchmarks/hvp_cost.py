@@ -9,6 +9,9 @@ Contenders, all on the explicit-softmax attention path; each HVP is divided by t
   is one more backward through it (`sharpness --hvp exact`, cemtool's default, while the graph fits);
 - fp32 hvp, reverse-over-reverse, no graph kept: forward + create_graph backward + backward, every product;
 - fp32 hvp, forward-over-reverse: torch.func.jvp of torch.func.grad;
+- fp32 GGN and empirical-Fisher products (`sharpness --operator ggn|ef`): forward, the vector-Jacobian product
+  with create_graph, its derivative in u (J v), and one more backward, every product; compared with the Hessian
+  product that also keeps no graph (the like-for-like) and with the gradient;
 - fp64 gradient, fp64 hvp with the graph kept, and fp64 hvp by central difference (`sharpness --hvp fd --dtype
   fp64`): (grad L(w + h v) - grad L(w - h v)) / 2h, two gradients and no second-order graph.
 Time: median over ``--rounds`` alternating rounds (noise hits every contender alike). Memory: each contender runs
@@ -20,6 +23,8 @@ for the second backward (B, counted with saved-tensor hooks, each storage once);
 holds A + B at once, so (A + B) / gradient peak bounds its memory ratio from below.
 
 Targets (issue 12): time <= 2.5x and memory <= 2x a gradient. Exit code 1 when no HVP contender meets both.
+Targets (issue 22, printed, not in the exit code): a GGN product <= 1.0x a Hessian product (no graph kept) and
+<= 2.5x a gradient.
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ import time
 
 import torch
 
+from cemtool.analysis.curvature.operators import make_operator
 from cemtool.analysis.hessian import Objective
 from cemtool.config import replace, resolve
 from cemtool.models import attention_impl, build_model, lm_loss
 
 METHODS = [("gradient", "fp32"), ("hvp: kept graph", "fp32"), ("hvp: no graph kept", "fp32"),
-           ("hvp: forward-over-reverse", "fp32"),
+           ("hvp: forward-over-reverse", "fp32"), ("ggn product", "fp32"), ("ef product", "fp32"),
            ("gradient", "fp64"), ("hvp: kept graph", "fp64"), ("hvp: central difference", "fp64")]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -70,6 +76,10 @@ def make_op(method: str, dtype: str, model, x, y):
         v = torch.randn(obj.n, dtype=torch.float64)
         obj.hvp(v)  # builds (and, if kept, keeps) the first-order graph
         return lambda: obj.hvp(v)
+    if method in ("ggn product", "ef product"):  # the other operators (issue 22): recomputed every product
+        op = make_operator(method.split()[0], model, x, y, dtype=dtype, batch_size=len(x))
+        v = torch.randn(op.n, dtype=torch.float64)
+        return lambda: op.matvec(v)
     if method == "hvp: forward-over-reverse":
         from torch.func import functional_call, grad, jvp
 
@@ -185,6 +195,13 @@ def main() -> int:
             ok = r["time_ratio"] <= 2.5 and r["memory_ratio"] <= 2.0
             print(f"  {r['method']} ({r['dtype']}): time {r['time_ratio']:.2f}x, memory {r['memory_ratio']:.2f}x: "
                   f"targets (<= 2.5x, <= 2x) {'met' if ok else 'NOT met'}")
+    hess = statistics.median(times[("hvp: no graph kept", "fp32")])
+    for m in ("ggn product", "ef product"):
+        t = statistics.median(times[(m, "fp32")])
+        ok = t / hess <= 1.0 and t / statistics.median(times[("gradient", "fp32")]) <= 2.5
+        print(f"  {m} (fp32): {t / hess:.2f}x a Hessian product (no graph kept), "
+              f"{t / statistics.median(times[('gradient', 'fp32')]):.2f}x a gradient: targets (<= 1.0x, <= 2.5x) "
+              f"{'met' if ok else 'NOT met'}")
     if args.json:
         print(json.dumps({"params": n_params, "tokens": args.tokens, "rows": rows, "saved_forward_bytes": a_bytes,
                           "saved_backward_bytes": b_bytes, "exact_floor_ratio": floor,
