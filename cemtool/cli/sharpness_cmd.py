@@ -68,9 +68,10 @@ def _summary(rep, header: str) -> list[list[str]]:
     A = SYMBOLS[rep.options.operator]
     rows = [["operator", rep.options.operator, OPERATOR_NAMES[rep.options.operator]],
             ["loss (nats/token)", _fmt(rep.loss), f"{rep.tokens:,} tokens"],
-            ["‖grad‖", _fmt(rep.grad_norm), f"‖g‖/√n = {_fmt(rep.grad_norm / max(rep.n_params, 1) ** 0.5, 3)}"]]
+            ["‖grad‖", _fmt(rep.grad_norm), ""]]
     st = rep.standing
     if st is not None:
+        rows[-1][2] = f"‖g‖/√n = {_fmt(st.grad_norm_per_sqrt_n, 3)}"
         rows.append(["where it stands", st.verdict, st.reason])
         if st.negative_mass is not None:
             rows.append(["mass below 0 (SLQ)", _pm(st.negative_mass, st.negative_mass_se),

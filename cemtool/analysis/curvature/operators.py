@@ -24,6 +24,7 @@ reverse), then Jᵀ (M J v) is one more backward pass.
 from __future__ import annotations
 
 import hashlib
+from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +42,7 @@ def draw_seed(seed: int, sequence: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{sequence}".encode(), digest_size=4).digest(), "little")
 
 
-class JacobianOperator(Objective):
+class JacobianOperator(Objective, ABC):
     """Jᵀ M J for the Jacobian J of a per-token output f of the model (subclasses: :meth:`outputs`, :meth:`middle`)
     and the token-mean cross entropy of the evaluation set."""
 
@@ -55,13 +56,13 @@ class JacobianOperator(Objective):
             raise CemtoolError(f"the {self.name} operator is defined for the next-token cross entropy only")
         super().__init__(model, x, y, **kw)
 
+    @abstractmethod
     def outputs(self, b: int, logits: torch.Tensor) -> torch.Tensor:
         """The output f of batch b whose Jacobian the operator uses."""
-        raise NotImplementedError
 
+    @abstractmethod
     def middle(self, b: int, f: torch.Tensor, jv: torch.Tensor) -> torch.Tensor:
         """M (J v) for batch b, already divided by the token count N (and the draws S)."""
-        raise NotImplementedError
 
     def _logits(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         xb, yb = (t.to(self.device) for t in self.batches[b])
