@@ -59,6 +59,73 @@ def tiny_tokens(n: int, seq_len: int, vocab: int, seed: int = 0, targets: bool =
     return idx[:, :-1], idx[:, 1:]
 
 
+
+def dense_jacobian(model: torch.nn.Module, x: torch.Tensor, fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fn(logits), d fn(logits) / d w) over every parameter, float64, by torch.func on a float64 copy (no cemtool
+    curvature code): shapes (outputs...) and (outputs..., n)."""
+    import copy
+
+    from torch.func import functional_call, jacrev
+
+    from cemtool.models import attention_impl
+
+    work = copy.deepcopy(model).to(torch.float64).eval()
+    names = [n for n, _ in work.named_parameters()]
+    w0 = {n: p.detach() for n, p in work.named_parameters()}
+
+    def f(ws):
+        with attention_impl("explicit"):
+            return fn(functional_call(work, ws, (x,)))
+
+    jac = jacrev(f)(w0)
+    out = f(w0).detach()
+    return out, torch.cat([jac[n].reshape(*out.shape, -1) for n in names], dim=-1)
+
+
+def dense_curvature(name: str, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+    """The curvature matrix ``name`` (hessian, ggn, ef, fisher at the sampled ``labels`` (B, T, S)) of the
+    token-mean cross entropy over every parameter, (n, n) float64, built independently: the Hessian by
+    torch.autograd.functional.hessian; the GGN as Σ J_tᵀ (diag p_t − p_t p_tᵀ) J_t / N from the logits' Jacobian;
+    the empirical and Monte-Carlo Fishers as Jᵀ J / N of the per-token losses' Jacobian."""
+    import torch.nn.functional as F
+
+    N = y.numel()
+    if name == "hessian":
+        import copy
+
+        from torch.func import functional_call
+
+        from cemtool.models import attention_impl
+
+        work = copy.deepcopy(model).to(torch.float64).eval()
+        named = dict(work.named_parameters())
+        sizes = [p.numel() for p in named.values()]
+
+        def loss(w: torch.Tensor) -> torch.Tensor:
+            ps = {n: t.view(p.shape) for (n, p), t in zip(named.items(), torch.split(w, sizes), strict=True)}
+            with attention_impl("explicit"):
+                logits = functional_call(work, ps, (x,))  # (B, T, V)
+            return F.cross_entropy(logits.flatten(0, 1), y.reshape(-1))
+
+        H = torch.autograd.functional.hessian(loss, torch.cat([p.detach().reshape(-1) for p in named.values()]),
+                                              vectorize=True)
+        return (H + H.T) / 2
+    if name == "ggn":
+        logits, J = dense_jacobian(model, x, lambda z: z)  # (B, T, V), (B, T, V, n)
+        p = torch.softmax(logits, -1)  # (B, T, V)
+        M = torch.diag_embed(p) - p[..., :, None] * p[..., None, :]  # (B, T, V, V)
+        return torch.einsum("btvi,btvw,btwj->ij", J, M, J) / N
+    if name == "ef":
+        _, J = dense_jacobian(model, x, lambda z: F.cross_entropy(z.flatten(0, 1), y.reshape(-1),
+                                                                  reduction="none"))  # (B*T, n)
+        return J.T @ J / N
+    if name == "fisher":
+        _, J = dense_jacobian(model, x, lambda z: -torch.log_softmax(z, -1).gather(-1, labels))  # (B, T, S, n)
+        J = J.reshape(-1, J.shape[-1])
+        return J.T @ J / (N * labels.shape[-1])
+    raise ValueError(name)
+
 # --------------------------------------------------------------------------------------------------------------
 # tiny runs: 30 steps of 8 x 16 tokens of a small text
 

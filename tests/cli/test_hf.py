@@ -189,6 +189,40 @@ def test_sharpness_of_a_tiny_llama_matches_its_dense_hessian(tmp_path, word_text
     np.testing.assert_allclose(rep["traces"][0]["trace"], ev.sum(), rtol=1e-5)  # sketch of rank n: exact
 
 
+# transformers' Llama computes RMSNorm, softmax and rotary in float32 inside a float64 model (its error bounds say
+# so: test_fp64_bounds_use_the_precision_the_forward_computes_in); GPT-2 computes in float64
+HF_TOLERANCE = {"gpt2": 1e-8, "llama": 1e-5}
+
+
+@pytest.mark.parametrize("operator", ["ggn", "ef", "fisher"])
+@pytest.mark.parametrize("family", list(HF_TOLERANCE))
+def test_every_operator_of_a_tiny_hf_model_matches_its_dense_matrix(tmp_path, word_text, family, operator):
+    """The GGN and the Fishers of a Hugging Face model (no cemtool layer inside) against dense matrices from
+    torch.func Jacobians of its logits: top-3 and bottom eigenvalues and the trace, PSD."""
+    from cemtool.analysis.curvature.operators import make_operator
+    from cemtool.analysis.hessian import hutch_plus_plus, lanczos
+
+    from kit import dense_curvature
+
+    ids = dict(vocab_size=len(WORDS), bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    cfg = transformers.GPT2Config(n_embd=2, n_layer=1, n_head=1, n_positions=16, **ids) if family == "gpt2" else \
+        transformers.LlamaConfig(hidden_size=2, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                                 intermediate_size=2, max_position_embeddings=16, tie_word_embeddings=True, **ids)
+    loaded = open_subject(save_tiny(tmp_path / family, cfg, word_tokenizer(WORDS)), data=word_text)
+    x, y = loaded.eval_set(32)  # 2 windows of 16 tokens
+    with make_operator(operator, loaded.model, x, y, dtype="fp64", mc_samples=2, seed=3) as op:
+        assert op.n <= 3000
+        A = dense_curvature(operator, loaded.model, x, y, labels=torch.cat(op.labels) if operator == "fisher" else None)
+        eig = lanczos(op, 3, 1, max_steps=op.n, tol=1e-10)
+        tr = hutch_plus_plus(op, 3 * op.n)  # a sketch of rank n: exact
+    ev = torch.linalg.eigvalsh(A)
+    rel, scale = HF_TOLERANCE[family], float(ev.abs().max())
+    assert eig.top == pytest.approx(ev.flip(0)[:3].tolist(), rel=rel)
+    assert eig.bottom[0] == pytest.approx(float(ev[0]), abs=rel * scale)
+    assert tr.trace == pytest.approx(float(torch.trace(A)), rel=rel)
+    assert float(ev[0]) >= -1e-10 * scale
+
+
 def test_collapse_of_a_tiny_llama_equals_values_taken_from_v_proj(hf_models):
     """Value entropy, effective rank and cosine per layer from the adapter equal those computed by hand from what
     transformers' own v_proj modules output (forward hooks on them, no cemtool hook point involved)."""

@@ -23,7 +23,7 @@ from cemtool.analysis.hessian import (
 )
 from cemtool.analysis.pyhessian_backend import run_pyhessian
 from cemtool.errors import CemtoolError
-from cemtool.models import archs, attention_impl, lm_loss
+from cemtool.models import attention_impl, lm_loss
 
 from kit import tiny_model, tiny_tokens
 
@@ -376,25 +376,7 @@ def test_memory_check_honours_a_cgroup_limit(problem, monkeypatch):
 # every family
 
 
-@pytest.mark.parametrize("arch", ["baseline", "cem", "hb", "lime"])
-def test_every_family_has_symmetric_consistent_hvps(arch):
-    if arch not in archs():
-        pytest.skip(f"{arch} is not registered")
-    model = tiny(arch, n_layer=2)
-    x, y = tokens(2)
-    with Objective(model, x, y, dtype="fp64") as obj:
-        g = torch.Generator().manual_seed(1)
-        u, v = (torch.randn(obj.n, generator=g, dtype=torch.float64) for _ in range(2))
-        Hu, Hv = obj.hvp(u), obj.hvp(v)
-        assert abs(float(u @ Hv - v @ Hu)) < 1e-10 * abs(float(u @ Hv))  # H is symmetric
-        eps = 1e-4
-        with obj.shifted(eps * v):
-            gp = obj.gradient()[1]
-        with obj.shifted(-eps * v):
-            gm = obj.gradient()[1]
-        assert float(((gp - gm) / (2 * eps) - Hv).norm() / Hv.norm()) < 1e-3  # H v = d/dt grad(w + t v)
-        e = lanczos(obj, 1, 1, max_steps=25)
-    assert e.top[0] > 0 > e.bottom[0]
+# (every family's Hessian against its dense matrix: tests/unit/test_operators.py, with the other operators)
 
 
 # ------------------------------------------------------------------------------------------------------------------
