@@ -39,8 +39,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from cemtool.analysis.hessian import Objective, hutch_plus_plus, hutchinson, lanczos, xtrace  # noqa: E402
+from cemtool.analysis.curvature.operators import Hessian  # noqa: E402
+from cemtool.analysis.lanczos import lanczos  # noqa: E402
 from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # noqa: E402
+from cemtool.analysis.trace import hutch_plus_plus, hutchinson, xtrace  # noqa: E402
 from cemtool.errors import CemtoolError  # noqa: E402
 
 
@@ -72,7 +74,7 @@ def reference_top(model, x, y, k: int) -> np.ndarray:
     """Top-k eigenvalues in float64 by ARPACK (scipy eigsh: independent of cemtool's Lanczos), descending."""
     from scipy.sparse.linalg import LinearOperator, eigsh
 
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         op = LinearOperator((obj.n, obj.n), matvec=lambda v: obj.hvp(torch.from_numpy(np.ravel(v))).numpy(),
                             dtype=np.float64)
         vals = eigsh(op, k=k, which="LA", tol=1e-10, ncv=max(4 * k, 40), return_eigenvectors=False,
@@ -99,7 +101,7 @@ def run_tools(model, x, y, args, ref: np.ndarray) -> list[dict]:
         if res.errors:
             print(f"PyHessian failed: {res.errors}")
         t0, c0 = time.perf_counter(), time.process_time()
-        with Objective(model, x, y, dtype=args.dtype) as obj:
+        with Hessian(model, x, y, dtype=args.dtype) as obj:
             e = lanczos(obj, args.k, 0, seed=r, tol=args.tol)
         cem_runs.append((e.hvps, time.perf_counter() - t0, time.process_time() - c0, rel_err(e.top, ref), e.top))
     rows = []
@@ -136,7 +138,7 @@ def eigen_part(args, steps: int) -> tuple[bool, dict]:
     t0 = time.perf_counter()
     model, x, y = trained_model(["model.n_layer=2", "model.d_model=64", "model.n_head=4"], steps, 32, 64 * 32)
     n = sum(p.numel() for p in model.parameters())
-    with Objective(model, x, y, dtype="fp64") as obj:  # warm-up: torch imports sympy on the first HVP
+    with Hessian(model, x, y, dtype="fp64") as obj:  # warm-up: torch imports sympy on the first HVP
         loss = obj.loss()
         obj.hvp(torch.ones(obj.n))
     print(f"\nmodel: baseline 2x64, {n:,} parameters, trained {steps} steps on pydoc bytes (evaluation loss "
@@ -238,7 +240,7 @@ def trace_part(args) -> list[dict]:
     print(f"\ntrace model: baseline 1x8 on a 16-token Markov chain, {H.shape[0]:,} parameters, {y.numel()} tokens, "
           f"exact tr(H) = {exact:.5f} ({time.perf_counter() - t0:.1f} s)", flush=True)
     rows = []
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         for method in (hutchinson, hutch_plus_plus, xtrace):
             runs = [method(obj, 100, seed=s) for s in range(args.trace_seeds)]
             errs = [abs(r.trace - exact) / abs(exact) for r in runs]

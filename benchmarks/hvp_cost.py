@@ -38,8 +38,7 @@ import time
 
 import torch
 
-from cemtool.analysis.curvature.operators import make_operator
-from cemtool.analysis.hessian import Objective
+from cemtool.analysis.curvature.operators import Hessian, make_operator
 from cemtool.config import replace, resolve
 from cemtool.models import attention_impl, build_model, lm_loss
 
@@ -71,7 +70,7 @@ def make_op(method: str, dtype: str, model, x, y):
                 return torch.autograd.grad(loss, params)
         return grad_once
     if method in ("hvp: kept graph", "hvp: no graph kept", "hvp: central difference"):
-        obj = Objective(model, x, y, dtype=dtype, batch_size=len(x), keep_graph=method == "hvp: kept graph",
+        obj = Hessian(model, x, y, dtype=dtype, batch_size=len(x), keep_graph=method == "hvp: kept graph",
                         hvp="fd" if method == "hvp: central difference" else "exact")
         v = torch.randn(obj.n, dtype=torch.float64)
         obj.hvp(v)  # builds (and, if kept, keeps) the first-order graph

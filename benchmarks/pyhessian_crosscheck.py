@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from torch.func import functional_call  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from cemtool.analysis.hessian import Objective, lanczos  # noqa: E402
+from cemtool.analysis.curvature.operators import Hessian  # noqa: E402
+from cemtool.analysis.lanczos import lanczos  # noqa: E402
 from cemtool.analysis.pyhessian_backend import require_pyhessian, run_pyhessian  # noqa: E402
 from cemtool.cli.main import app  # noqa: E402
 from cemtool.config import replace, resolve  # noqa: E402
@@ -108,7 +109,7 @@ def dense_part(check: Checks) -> None:
     ev = torch.linalg.eigvalsh(H)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     res = run_pyhessian(model, x, y, dtype="fp64", top_k=1, density_steps=10, trace_iter=20)
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         e = lanczos(obj, 1, 1, max_steps=60, tol=1e-10)
     exact_abs = float(ev.abs().max())
     ph_abs = abs(res.eigenvalues[0]) if res.eigenvalues else float("nan")

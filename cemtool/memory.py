@@ -69,7 +69,7 @@ def curvature_memory_estimate(n_model: int, n_subset: int, dtype: torch.dtype, v
 
 def check_curvature_memory(model: nn.Module, n_subset: int, dtype: torch.dtype, device: torch.device,
                            vectors: int) -> None:
-    """Refuse a curvature run (cemtool.analysis.hessian) whose copy of the model and Lanczos vectors cannot fit
+    """Refuse a curvature run (cemtool.analysis.curvature.risk) whose copy of the model and Lanczos vectors cannot fit
     in 80% of the memory :func:`available_memory` reports (a container's cgroup limit included)."""
     n_model = sum(p.numel() for p in model.parameters())
     need = curvature_memory_estimate(n_model, n_subset, dtype, vectors)

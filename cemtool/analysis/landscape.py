@@ -1,8 +1,9 @@
 """Sharpness beyond the spectrum (METHODS §6): worst-case (SAM, adaptive ASAM), average-case adaptive sharpness,
 and 1-D / 2-D loss slices along filter-normalised random directions.
 
-All functions take an :class:`cemtool.analysis.hessian.Objective` (the mean token loss over a fixed evaluation set,
-as a function of a parameter subset w) and perturb only that subset; the weights are restored exactly afterwards.
+All functions take an :class:`cemtool.analysis.curvature.risk.EmpiricalRisk` (the mean token loss over a fixed
+evaluation set, as a function of a parameter subset w) and perturb only that subset; the weights are restored
+exactly afterwards.
 Notation: L(w) the loss, g = grad L(w), rho the radius, T_w the adaptive scaling.
 
 - SAM rho-sharpness (Foret et al. 2021):  max_{||e|| <= rho} L(w + e) - L(w). First order: e = rho g / ||g||.
@@ -28,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cemtool.analysis.hessian import Callback, Objective
+from cemtool.analysis.curvature.protocol import Callback
+from cemtool.analysis.curvature.risk import EmpiricalRisk
 from cemtool.errors import CemtoolError
 
 
@@ -54,13 +56,13 @@ class Sharpness:
     tokens: int
 
 
-def _scaling(obj: Objective, adaptive: bool, eta: float) -> torch.Tensor:
+def _scaling(obj: EmpiricalRisk, adaptive: bool, eta: float) -> torch.Tensor:
     """T_w as a flat (n,) vector: |w| + eta (adaptive) or ones."""
     w = obj.parameters_vector()  # (n,)
     return w.abs() + eta if adaptive else torch.ones_like(w)
 
 
-def worst_case_sharpness(obj: Objective, rho: float = 0.05, *, adaptive: bool = False, eta: float = 0.01,
+def worst_case_sharpness(obj: EmpiricalRisk, rho: float = 0.05, *, adaptive: bool = False, eta: float = 0.01,
                          ascent_steps: int = 1, base: tuple[float, torch.Tensor] | None = None,
                          callback: Callback | None = None) -> Sharpness:
     """max_{||T_w^{-1} e|| <= rho} L(w + e) - L(w) (SAM when not adaptive), first order or with ascent steps.
@@ -109,17 +111,17 @@ def worst_case_sharpness(obj: Objective, rho: float = 0.05, *, adaptive: bool = 
                      time.perf_counter() - t0, None, obj.n, obj.tokens)
 
 
-def sam_sharpness(obj: Objective, rho: float = 0.05, ascent_steps: int = 1, **kw) -> Sharpness:
+def sam_sharpness(obj: EmpiricalRisk, rho: float = 0.05, ascent_steps: int = 1, **kw) -> Sharpness:
     """SAM rho-sharpness max_{||e|| <= rho} L(w + e) - L(w) (Foret et al. 2021)."""
     return worst_case_sharpness(obj, rho, adaptive=False, ascent_steps=ascent_steps, **kw)
 
 
-def asam_sharpness(obj: Objective, rho: float = 0.5, eta: float = 0.01, ascent_steps: int = 1, **kw) -> Sharpness:
+def asam_sharpness(obj: EmpiricalRisk, rho: float = 0.5, eta: float = 0.01, ascent_steps: int = 1, **kw) -> Sharpness:
     """Adaptive worst-case sharpness with T_w = |w| + eta (Kwon et al. 2021)."""
     return worst_case_sharpness(obj, rho, adaptive=True, eta=eta, ascent_steps=ascent_steps, **kw)
 
 
-def average_sharpness(obj: Objective, rho: float = 0.1, samples: int = 8, *, seed: int = 0,
+def average_sharpness(obj: EmpiricalRisk, rho: float = 0.1, samples: int = 8, *, seed: int = 0,
                       loss0: float | None = None, callback: Callback | None = None) -> Sharpness:
     """Average-case adaptive sharpness E[L(w + rho |w| * z)] - L(w), z ~ N(0, I) (Andriushchenko et al. 2023),
     from ``samples`` antithetic pairs; standard error over the pairs."""
@@ -150,7 +152,7 @@ def average_sharpness(obj: Objective, rho: float = 0.1, samples: int = 8, *, see
 # loss slices
 
 
-def filter_normalized_direction(obj: Objective, gen: torch.Generator) -> torch.Tensor:
+def filter_normalized_direction(obj: EmpiricalRisk, gen: torch.Generator) -> torch.Tensor:
     """A Gaussian direction, flat (n,), with each output row of each >= 2-D parameter rescaled to the norm of the
     same row of w (Li et al. 2018); 1-D parameters get zero."""
     parts = []
@@ -207,7 +209,7 @@ def _grid(span: float, points: int) -> np.ndarray:
     return g
 
 
-def loss_slice_1d(obj: Objective, span: float = 1.0, points: int = 21, *, seed: int = 0,
+def loss_slice_1d(obj: EmpiricalRisk, span: float = 1.0, points: int = 21, *, seed: int = 0,
                   callback: Callback | None = None) -> Slice1D:
     """The loss along one filter-normalised random direction, alpha in [-span, span]."""
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
@@ -225,7 +227,7 @@ def loss_slice_1d(obj: Objective, span: float = 1.0, points: int = 21, *, seed: 
                    obj.tokens)
 
 
-def loss_slice_2d(obj: Objective, span: float = 1.0, points: int = 11, *, seed: int = 0,
+def loss_slice_2d(obj: EmpiricalRisk, span: float = 1.0, points: int = 11, *, seed: int = 0,
                   callback: Callback | None = None) -> Slice2D:
     """The loss on the plane of two filter-normalised random directions, both coordinates in [-span, span]."""
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)

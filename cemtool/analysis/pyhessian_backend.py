@@ -35,7 +35,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from cemtool.analysis.hessian import resolve_dtype, select_parameters, smooth_density
+from cemtool.analysis.curvature.risk import resolve_dtype, select_parameters
+from cemtool.analysis.density import smooth_density
 from cemtool.analysis.sharpness import tokens_note
 from cemtool.errors import CemtoolError
 from cemtool.models.layers import attention_impl

@@ -16,11 +16,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from cemtool.analysis import hessian as hs
 from cemtool.analysis.curvature.blocks import blocks_of, check_blocks
-from cemtool.analysis.curvature.operators import PSD, check_operator, make_operator
+from cemtool.analysis.curvature.operators import PSD, check_hvp_method, check_operator, make_operator
+from cemtool.analysis.curvature.protocol import Callback
+from cemtool.analysis.curvature.risk import resolve_dtype, select_parameters
 from cemtool.analysis.curvature.stationarity import GAP_TOL, NEG_TOL, Standing, certify
-from cemtool.analysis.hessian import Callback, Density, Eigenvalues, Trace, lanczos, slq
+from cemtool.analysis.density import Density, slq
+from cemtool.analysis.lanczos import Eigenvalues, lanczos
 from cemtool.analysis.landscape import (
     Sharpness,
     Slice1D,
@@ -33,6 +35,7 @@ from cemtool.analysis.landscape import (
     sam_sharpness,
     worst_case_sharpness,
 )
+from cemtool.analysis.trace import Trace, hutch_plus_plus, hutchinson, xtrace
 from cemtool.errors import CemtoolError
 from cemtool.models.capabilities import Capabilities
 from cemtool.options import at_least, check_types
@@ -46,7 +49,7 @@ def tokens_note(requested: int, used: int, windows: int, seq_len: int) -> str:
     return f"{used:,} evaluation tokens used of {requested:,} requested: {why}"
 
 
-TRACE_METHODS = {"hutchinson": hs.hutchinson, "hutch++": hs.hutch_plus_plus, "xtrace": hs.xtrace}
+TRACE_METHODS = {"hutchinson": hutchinson, "hutch++": hutch_plus_plus, "xtrace": xtrace}
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
 
 
@@ -96,7 +99,7 @@ class SharpnessOptions:
                      "avg_samples"):
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
-        hs.check_hvp_method(self.hvp, hs.resolve_dtype(self.dtype))
+        check_hvp_method(self.hvp, resolve_dtype(self.dtype))
         check_operator(self.operator)
         if self.hvp != "exact" and self.operator != "hessian":
             raise CemtoolError(f"--hvp {self.hvp} is a Hessian product; the {self.operator} operator has its own",
@@ -299,7 +302,7 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             trace=rep.traces[0] if rep.traces else None, gap_tol=o.gap_tol, neg_tol=o.neg_tol)
         if rep.eigen is not None:
             rep.eigen.state = None  # release the basis
-        rep.kept_graph_batches = obj._n_kept
+        rep.kept_graph_batches = obj.kept_graph_batches
         hv = obj.hvps
         base = (loss0, g)
         if o.sam_rho > 0:
@@ -375,14 +378,14 @@ def measure_per_layer(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, 
                       progress: Progress | None = None, blocks: str = "layer") -> list[LayerCurvature]:
     """For each parameter block (``blocks``: layer, kind or globs, curvature.blocks), λ_max (Lanczos, top 1) and
     the trace (``options.trace_methods[0]``, with its standard error) of the operator restricted to that block (the
-    block A_SS, see Objective), on the evaluation set (x, y). The same seeds for every block; budgets
+    block A_SS, see Hessian), on the evaluation set (x, y). The same seeds for every block; budgets
     ``lanczos_steps`` and ``trace_hvps`` per block (0 skips)."""
     o = options
     check_per_layer(o)
     method = o.trace_methods[0] if o.trace_methods and o.trace_hvps > 0 else None
     budget = None if o.graph_memory is None else int(o.graph_memory * 2**30)
     out = []
-    for blk in blocks_of(hs.select_parameters(model, "all"), blocks):
+    for blk in blocks_of(select_parameters(model, "all"), blocks):
         t0 = time.perf_counter()
         sel = f"layer:{blk.layer}" if blocks == "layer" else blk.spec
         with make_operator(o.operator, model, x, y, params=sel, dtype=o.dtype, device=o.device,

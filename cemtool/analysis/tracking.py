@@ -1,16 +1,17 @@
 """Curvature during training (METHODS §6; ``train.curvature_every``): λ_max of the loss Hessian, optionally the
 preconditioned λ_max of Adam's update and a trace estimate, every N optimizer steps, against the stability thresholds.
 
-The measurement reuses :mod:`cemtool.analysis.hessian`: the :class:`~cemtool.analysis.hessian.Objective` of a fixed
-evaluation batch (the first validation windows, as ``cemtool sharpness --tokens N`` takes them; eval mode, fp32,
-explicit attention), :func:`~cemtool.analysis.hessian.lanczos` for λ_max and
-:func:`~cemtool.analysis.hessian.xtrace` for tr(H). What the tracker adds:
+The measurement reuses :mod:`cemtool.analysis.curvature`: the
+:class:`~cemtool.analysis.curvature.operators.Hessian` of a fixed evaluation batch (the first validation windows,
+as ``cemtool sharpness --tokens N`` takes them; eval mode, fp32, explicit attention), its Adam-preconditioned form
+(:mod:`cemtool.analysis.curvature.preconditioned`), :func:`~cemtool.analysis.lanczos.lanczos` for λ_max and
+:func:`~cemtool.analysis.trace.xtrace` for tr(H). What the tracker adds:
 
 - a **warm start**: each Lanczos run starts from the previous top Ritz vector plus an equal-norm Rademacher vector
   (so that an eigenvalue that overtook the previous top is still in the Krylov space), drawn from a generator
   seeded by (seed, step) alone: the training RNG is never touched, and a resumed run, which restores the previous
   vector from its checkpoint (:meth:`CurvatureTracker.state`), measures exactly what the uninterrupted run did;
-- **torchrun**: the Objective shards the batch over the ranks and all-reduces every HVP, so every rank runs the
+- **torchrun**: the Hessian shards the batch over the ranks and all-reduces every HVP, so every rank runs the
   same measurement (and holds the same warm start); rank 0 writes the row;
 - the **preconditioned sharpness** λ_max(P^{-1} H) = λ_max(P^{-1/2} H P^{-1/2}) of Adam(W), with P the diagonal
   by which torch's AdamW divides its momentum buffer: P = (1 - β1^t)(sqrt(v_t / (1 - β2^t)) + eps) / lr_mult
@@ -33,7 +34,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from cemtool.analysis.hessian import Objective, lanczos, select_parameters, xtrace
+from cemtool.analysis.curvature.operators import Hessian
+from cemtool.analysis.curvature.preconditioned import Preconditioned, adam_preconditioner
+from cemtool.analysis.curvature.risk import select_parameters
+from cemtool.analysis.lanczos import lanczos
+from cemtool.analysis.trace import xtrace
 from cemtool.data.corpus import windows
 from cemtool.distributed import shard
 from cemtool.errors import CemtoolError
@@ -62,35 +67,6 @@ def threshold_adam(lr: float, beta1: float) -> float | None:
     """(2 + 2 β1) / ((1 - β1) η): the stability threshold of the preconditioned sharpness of Adam (Cohen et al.
     2022; 38/η at β1 = 0.9)."""
     return (2.0 + 2.0 * beta1) / ((1.0 - beta1) * lr) if lr > 0 and beta1 < 1 else None
-
-
-def adam_preconditioner(optimizer, named: list[tuple[str, nn.Parameter]]) -> tuple[torch.Tensor | None, str | None]:
-    """D = P^{-1} flat (n,) float64 over the parameters ``named`` (in order): lr_mult / ((1 - β1^t)(sqrt(v_t /
-    (1 - β2^t)) + eps)), from the AdamW state. (None, why) when a parameter has no Adam state (before the first
-    step, or a parameter trained by another optimizer)."""
-    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-    parts = []
-    for name, p in named:
-        g, st = groups.get(id(p)), optimizer.state.get(p, {})
-        if g is None or "betas" not in g or "exp_avg_sq" not in st:
-            return None, f"{name} has no Adam state" + (" yet" if g is not None and "betas" in g else "")
-        b1, b2 = g["betas"]
-        t = float(st["step"])
-        v_hat = st["exp_avg_sq"].detach().to(torch.float64) / (1 - b2**t)
-        P = (1 - b1**t) * (v_hat.sqrt() + g["eps"])  # what AdamW divides its momentum buffer by
-        parts.append((g.get("lr_mult", 1.0) / P).reshape(-1))
-    return torch.cat(parts), None  # (n,)
-
-
-class Preconditioned:
-    """The operator D^{1/2} H D^{1/2} (symmetric, same eigenvalues as D H) for a positive diagonal D, flat (n,)."""
-
-    def __init__(self, op, D: torch.Tensor):
-        self.op, self.n, self.device, self.dtype = op, op.n, op.device, op.dtype
-        self.half = D.to(device=op.device, dtype=torch.float64).sqrt()  # (n,)
-
-    def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        return self.half * self.op.matvec(self.half * v.to(torch.float64))  # (n,)
 
 
 def _finite(x: float) -> float | None:
@@ -170,7 +146,7 @@ class CurvatureTracker:
             row.update(lambda_max=None, lambda_max_converged=False, lanczos_steps=0,
                        note="non-finite weights: nothing measured", curvature_seconds=time.perf_counter() - t0)
             return row
-        with Objective(model, self.x, self.y, params=self.params, dtype="fp32",
+        with Hessian(model, self.x, self.y, params=self.params, dtype="fp32",
                        vectors=self.max_steps + self.trace_hvps) as obj:
             gen = torch.Generator().manual_seed(seed)
             eig = lanczos(obj, k_top=1, k_bottom=0, max_steps=self.max_steps, tol=self.tol, seed=seed,

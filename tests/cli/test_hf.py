@@ -128,7 +128,7 @@ def test_every_analysis_runs_on_every_family(hf_models, text_file, word_text, fa
 
 
 def test_parameter_subsets_by_cemtool_and_by_the_models_own_names(hf_models):
-    from cemtool.analysis.hessian import select_parameters
+    from cemtool.analysis.curvature.risk import select_parameters
 
     model = open_subject(hf_models["llama"]).model
     names = lambda spec: [n for n, _ in select_parameters(model, spec)]  # noqa: E731
@@ -200,7 +200,8 @@ def test_every_operator_of_a_tiny_hf_model_matches_its_dense_matrix(tmp_path, wo
     """The GGN and the Fishers of a Hugging Face model (no cemtool layer inside) against dense matrices from
     torch.func Jacobians of its logits: top-3 and bottom eigenvalues and the trace, PSD."""
     from cemtool.analysis.curvature.operators import make_operator
-    from cemtool.analysis.hessian import hutch_plus_plus, lanczos
+    from cemtool.analysis.lanczos import lanczos
+    from cemtool.analysis.trace import hutch_plus_plus
 
     from kit import dense_curvature
 
@@ -706,7 +707,7 @@ def test_fp64_bounds_use_the_precision_the_forward_computes_in(hf_models, tiny_r
     compute in float64. The error bounds of an fp64 analysis follow what is computed."""
     import copy as copy_
 
-    from cemtool.analysis.hessian import forward_precision
+    from cemtool.analysis.curvature.risk import forward_precision
 
     x = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
     for source, want in ((hf_models["llama"], torch.float32), (hf_models["gpt2"], torch.float64),

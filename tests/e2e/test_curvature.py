@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from cemtool.analysis.hessian import DenseOperator, lanczos
+from cemtool.analysis.curvature.protocol import DenseOperator
+from cemtool.analysis.lanczos import lanczos
 from cemtool.analysis.tracking import (
     CurvatureTracker,
     Preconditioned,

@@ -14,7 +14,7 @@ import torch
 
 from cemtool import distributed
 from cemtool.analysis.collapse import collapse_report
-from cemtool.analysis.hessian import Objective
+from cemtool.analysis.curvature.operators import Hessian
 from cemtool.distributed import Dist
 from cemtool.errors import CemtoolError
 
@@ -28,7 +28,8 @@ from cemtool.analysis.saturation import rank_truncation
 from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
 from cemtool.config import replace, resolve
 from cemtool.analysis.curvature.operators import make_operator
-from cemtool.analysis.hessian import lanczos, xtrace
+from cemtool.analysis.lanczos import lanczos
+from cemtool.analysis.trace import xtrace
 from cemtool.distributed import init_distributed
 from cemtool.models import build_model
 
@@ -45,13 +46,13 @@ def model_and_tokens():
 def measure(die: bool = False) -> dict:
     model, x, y = model_and_tokens()
     if die:  # this rank dies in the middle of the Lanczos run
-        from cemtool.analysis import hessian
-        real = hessian.Objective.hvp
+        from cemtool.analysis.curvature.operators import Hessian
+        real = Hessian.hvp
         def hvp(self, v):
             if self.hvps == 3:
                 os._exit(3)
             return real(self, v)
-        hessian.Objective.hvp = hvp
+        Hessian.hvp = hvp
     opts = SharpnessOptions(dtype="fp64", batch_size=2, top_k=2, bottom_k=1, lanczos_steps=8, trace_hvps=6,
                             trace_methods=("xtrace", "hutchinson"), density_runs=1, density_steps=8,
                             avg_samples=2, landscape="both", slice_points=5, slice_points_2d=3, device="cpu")
@@ -156,7 +157,7 @@ def test_more_ranks_than_sequences_is_one_clear_error(monkeypatch):
     model, x, y = _tiny()
     monkeypatch.setattr(distributed, "current", lambda: Dist(0, 3))
     with pytest.raises(CemtoolError, match="3 processes but only 2 evaluation sequences"):
-        Objective(model, x[:2], y[:2], dtype="fp64")
+        Hessian(model, x[:2], y[:2], dtype="fp64")
     with pytest.raises(CemtoolError, match="3 processes but only 2 evaluation sequences"):
         collapse_report(model, x[:2])
     assert list(distributed.shard(7)) == [0, 1]  # rank 0 of 3: the first third
@@ -174,7 +175,7 @@ def test_mixed_devices_are_refused(monkeypatch):
 
 def test_objective_keeps_tokens_on_the_cpu_until_used():
     model, x, y = _tiny()
-    with Objective(model, x, y, dtype="fp64", batch_size=2) as obj:
+    with Hessian(model, x, y, dtype="fp64", batch_size=2) as obj:
         assert len(obj.batches) == 4 and all(b[0].device.type == "cpu" for b in obj.batches)
         assert obj.tokens == y.numel()
         torch.testing.assert_close(torch.tensor(obj.loss(), dtype=torch.float64), torch.nn.functional.cross_entropy(
@@ -208,13 +209,13 @@ def test_kept_graphs_stay_within_the_stated_budget():
     model, x, y = _tiny()
     v = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64,
                     generator=torch.Generator().manual_seed(0))
-    with Objective(model, x, y, dtype="fp64", batch_size=2, graph_budget=0) as none, \
-            Objective(model, x, y, dtype="fp64", batch_size=2, graph_budget=2**40) as every:
+    with Hessian(model, x, y, dtype="fp64", batch_size=2, graph_budget=0) as none, \
+            Hessian(model, x, y, dtype="fp64", batch_size=2, graph_budget=2**40) as every:
         h0, h1 = none.hvp(v), every.hvp(v)
-        assert none._n_kept == 0 and every._n_kept == len(every.batches) == 4
+        assert none.kept_graph_batches == 0 and every.kept_graph_batches == len(every.batches) == 4
         torch.testing.assert_close(h0, h1, rtol=1e-12, atol=1e-14)
     with pytest.raises(CemtoolError, match="budget"):
-        Objective(model, x, y, dtype="fp64", graph_budget=-1)
+        Hessian(model, x, y, dtype="fp64", graph_budget=-1)
 
 
 def test_probe_sample_merge_keeps_the_one_process_sample(monkeypatch):

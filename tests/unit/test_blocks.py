@@ -8,7 +8,7 @@ import torch
 
 from cemtool.analysis.curvature.blocks import blocks_of, kind_of, layer_of
 from cemtool.analysis.curvature.operators import make_operator
-from cemtool.analysis.hessian import select_parameters
+from cemtool.analysis.curvature.risk import select_parameters
 from cemtool.analysis.sharpness import Options, SharpnessOptions, measure_per_layer, report_name
 from cemtool.errors import CemtoolError
 

@@ -10,18 +10,13 @@ import torch
 from torch.func import functional_call
 
 from cemtool import memory
-from cemtool.analysis import hessian as hs
-from cemtool.analysis.hessian import (
-    DenseOperator,
-    Objective,
-    hutch_plus_plus,
-    hutchinson,
-    lanczos,
-    select_parameters,
-    slq,
-    xtrace,
-)
+from cemtool.analysis.curvature.operators import FD_STEP, Hessian
+from cemtool.analysis.curvature.protocol import DenseOperator
+from cemtool.analysis.curvature.risk import select_parameters
+from cemtool.analysis.density import slq, smooth_density
+from cemtool.analysis.lanczos import lanczos
 from cemtool.analysis.pyhessian_backend import run_pyhessian
+from cemtool.analysis.trace import hutch_plus_plus, hutchinson, xtrace
 from cemtool.errors import CemtoolError
 from cemtool.models import attention_impl, lm_loss
 
@@ -76,7 +71,7 @@ def test_hvp_matches_dense_hessian_for_every_batching(problem):
     v = torch.randn(H.shape[0], generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     exact = H @ v
     for bs, keep in ((None, "auto"), (1, True), (3, False), (2, "auto")):
-        with Objective(model, x, y, dtype="fp64", batch_size=bs, keep_graph=keep) as obj:
+        with Hessian(model, x, y, dtype="fp64", batch_size=bs, keep_graph=keep) as obj:
             hv = obj.hvp(v)
             assert obj.n == H.shape[0] and obj.tokens == 32
             assert float((hv - exact).norm() / exact.norm()) < 1e-10, (bs, keep)
@@ -90,27 +85,27 @@ def test_central_difference_hvp_matches_the_dense_hessian_in_fp64(problem):
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for seed, scale in ((0, 1.0), (1, 1e-3), (2, 1e3)):  # the step is relative to |v|: any scale works
         v = scale * torch.randn(H.shape[0], generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        with Objective(model, x, y, dtype="fp64", hvp="fd", batch_size=3) as obj:
+        with Hessian(model, x, y, dtype="fp64", hvp="fd", batch_size=3) as obj:
             hv = obj.hvp(v)
             assert obj.hvps == 1 and obj.gradients == 0
         assert float((hv - H @ v).norm() / (H @ v).norm()) < 1e-8
-    with Objective(model, x, y, dtype="fp64", hvp="fd") as obj:
+    with Hessian(model, x, y, dtype="fp64", hvp="fd") as obj:
         assert float(obj.hvp(torch.zeros(H.shape[0], dtype=torch.float64)).abs().max()) == 0.0
         ev = lanczos(obj, 1, 0, max_steps=120, tol=1e-10)
     assert abs(ev.top[0] - float(eig[-1])) < 1e-7 * abs(float(eig[-1]))
     assert abs(ev.top[0] - float(eig[-1])) <= ev.top_residual[0]  # the bound holds: it carries the fd error level
-    assert ev.rounding >= max(np.sqrt(obj.n), 10) * hs.FD_STEP ** 2 * abs(ev.top[0])  # not float64's eps
+    assert ev.rounding >= max(np.sqrt(obj.n), 10) * FD_STEP ** 2 * abs(ev.top[0])  # not float64's eps
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     with pytest.raises(CemtoolError, match="needs --dtype fp64"):
-        Objective(model, x, y, dtype="fp32", hvp="fd")
+        Hessian(model, x, y, dtype="fp32", hvp="fd")
     with pytest.raises(CemtoolError, match="unknown HVP method"):
-        Objective(model, x, y, dtype="fp64", hvp="jvp")
+        Hessian(model, x, y, dtype="fp64", hvp="jvp")
 
 
 def test_hvp_fp32_is_close_and_autocast_is_switched_off(problem):
     model, x, y, _, H, _ = problem
     v = torch.randn(H.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    with torch.autocast("cpu", dtype=torch.bfloat16), Objective(model, x, y, dtype="fp32") as obj:
+    with torch.autocast("cpu", dtype=torch.bfloat16), Hessian(model, x, y, dtype="fp32") as obj:
         hv = obj.hvp(v)
         assert torch.is_autocast_enabled("cpu")  # restored around the call
     assert float((hv - H @ v).norm() / (H @ v).norm()) < 1e-5  # bf16 would be ~1e-2
@@ -122,14 +117,14 @@ def test_objective_leaves_the_model_as_it_was():
     model.train()
     model.blocks[0].ln1.weight.requires_grad_(False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with Objective(model, x, y, dtype="fp32") as obj:  # fp32 model: works on the model itself
+    with Hessian(model, x, y, dtype="fp32") as obj:  # fp32 model: works on the model itself
         assert obj.model is model and not model.training
         with obj.shifted(torch.ones(obj.n)):
             assert obj.loss() != pytest.approx(0.0)
         obj.hvp(torch.ones(obj.n))
     assert model.training and not model.blocks[0].ln1.weight.requires_grad
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    with Objective(model, x, y, dtype="fp64") as obj:  # fp64: a converted copy
+    with Hessian(model, x, y, dtype="fp64") as obj:  # fp64: a converted copy
         assert obj.model is not model
         obj.hvp(torch.ones(obj.n))
     assert next(model.parameters()).dtype == torch.float32 and model.training
@@ -138,7 +133,7 @@ def test_objective_leaves_the_model_as_it_was():
 def test_fused_attention_config_is_differentiated_through_the_explicit_path(problem):
     model, x, y, _, H, _ = problem
     assert model.cfg.attn_impl == "fused"  # the default: SDPA, which has no double backward
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         v = torch.ones(obj.n, dtype=torch.float64)
         assert float((obj.hvp(v) - H @ v).norm()) < 1e-10 * float((H @ v).norm())
 
@@ -147,7 +142,7 @@ def test_unused_parameter_gets_zero_curvature():
     model = tiny()
     model.spare = torch.nn.Parameter(torch.ones(3))  # never used by forward
     x, y = tokens()
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         assert "spare" in obj.names
         hv = obj.split(obj.hvp(torch.ones(obj.n)))
         assert torch.equal(hv[obj.names.index("spare")], torch.zeros(3, dtype=torch.float64))
@@ -176,7 +171,7 @@ def test_restricted_hessian_equals_the_dense_sub_block(problem, spec):
     model, x, y, names, H, _ = problem
     sizes = [p.numel() for _, p in model.named_parameters()]
     offsets = dict(zip(names, np.cumsum([0] + sizes[:-1]), strict=True))
-    with Objective(model, x, y, params=spec, dtype="fp64") as obj:
+    with Hessian(model, x, y, params=spec, dtype="fp64") as obj:
         idx = torch.cat([torch.arange(offsets[n], offsets[n] + obj.sizes[i]) for i, n in enumerate(obj.names)])
         block = H[idx][:, idx]
         v = torch.randn(obj.n, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
@@ -193,7 +188,7 @@ def test_restricted_hessian_equals_the_dense_sub_block(problem, spec):
 
 def test_lanczos_top5_and_bottom_match_the_dense_spectrum(problem):
     model, x, y, _, H, ev = problem
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         e = lanczos(obj, 5, 2, max_steps=300, tol=1e-9, seed=3)
     top, bottom = ev.flip(0)[:5].numpy(), ev[:2].numpy()
     assert e.converged and e.hvps == e.steps < 300
@@ -205,7 +200,7 @@ def test_lanczos_top5_and_bottom_match_the_dense_spectrum(problem):
 
 def test_fp32_residuals_and_errors_hold_in_the_working_precision(problem):
     model, x, y, _, _, ev = problem  # ev: the float64 spectrum
-    with Objective(model, x, y, dtype="fp32") as obj:
+    with Hessian(model, x, y, dtype="fp32") as obj:
         e = lanczos(obj, 3, 1, max_steps=80, tol=1e-7, seed=0)
     assert e.rounding > 0
     for v, r, err in zip(e.top + e.bottom, e.top_residual + e.bottom_residual, e.top_error + e.bottom_error,
@@ -222,7 +217,7 @@ def test_lanczos_refuses_more_values_than_steps():
 
 def test_lanczos_is_seedable_and_reports_unconverged_values(problem):
     model, x, y, _, _, ev = problem
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         a = lanczos(obj, 3, 1, max_steps=40, seed=5)
         b = lanczos(obj, 3, 1, max_steps=40, seed=5)
         c = lanczos(obj, 3, 1, max_steps=6, seed=5)
@@ -292,7 +287,7 @@ def test_xtrace_standard_error_covers_the_error():
 
 def test_trace_on_the_model_itself_matches_the_dense_trace(problem):
     model, x, y, _, _, ev = problem
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         t = hutch_plus_plus(obj, 30, seed=0)
         assert obj.hvps == 30
     assert abs(t.trace - float(ev.sum())) <= 4 * t.se
@@ -322,7 +317,7 @@ def test_slq_density_matches_the_exact_eigenvalue_histogram(problem):
     spread = float(ev[-1] - ev[0])
     w1 = np.trapezoid(np.abs(cdf_slq - cdf_exact), grid)  # Wasserstein-1 distance of the spectral measures
     assert w1 < 0.01 * spread, w1 / spread
-    exact_density = hs.smooth_density(ev.numpy(), np.full(len(ev), 1 / len(ev)), np.asarray(d.grid), d.sigma)
+    exact_density = smooth_density(ev.numpy(), np.full(len(ev), 1 / len(ev)), np.asarray(d.grid), d.sigma)
     l1 = np.trapezoid(np.abs(np.asarray(d.density) - exact_density), d.grid)
     assert l1 < 0.2, l1  # same smoothing, close densities (total variation 0.1)
     assert np.trapezoid(d.density, d.grid) == pytest.approx(1.0, abs=1e-3)
@@ -351,12 +346,12 @@ def test_slq_continues_the_eigenvalue_run(problem):
 def test_bad_input_is_one_clear_error(problem, monkeypatch):
     model, x, y, _, _, _ = problem
     with pytest.raises(CemtoolError, match="zero tokens"):
-        Objective(model, x[:0], y[:0])
+        Hessian(model, x[:0], y[:0])
     with pytest.raises(CemtoolError, match="matches no parameter"):
-        Objective(model, x, y, params="nope.*")
+        Hessian(model, x, y, params="nope.*")
     monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)
     with pytest.raises(CemtoolError, match="too large.*fp64") as err:
-        Objective(model, x, y, dtype="fp64")
+        Hessian(model, x, y, dtype="fp64")
     assert "--dtype fp32" in err.value.hint
 
 
@@ -367,9 +362,9 @@ def test_memory_check_honours_a_cgroup_limit(problem, monkeypatch):
     monkeypatch.setattr(memory, "_cgroup_free", lambda: 4096)
     assert memory.available_memory(torch.device("cpu")) == 4096
     with pytest.raises(CemtoolError, match="too large.*0.00 GiB available"):
-        Objective(model, x, y, dtype="fp64")
+        Hessian(model, x, y, dtype="fp64")
     monkeypatch.setattr(memory, "_cgroup_free", lambda: None)  # no limit: the host's free memory, ample here
-    Objective(model, x, y, dtype="fp64").close()
+    Hessian(model, x, y, dtype="fp64").close()
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cemtool.analysis.curvature.operators import GGN, EmpiricalFisher, MCFisher, make_operator
+from cemtool.analysis.curvature.operators import GGN, EmpiricalFisher, Hessian, MCFisher, make_operator
 from cemtool.analysis.curvature.protocol import DenseOperator, as_operator
-from cemtool.analysis.hessian import Objective, lanczos, xtrace
+from cemtool.analysis.lanczos import lanczos
+from cemtool.analysis.trace import xtrace
 from cemtool.errors import CemtoolError
 
 from kit import dense_curvature, dense_jacobian, tiny_model, tiny_tokens
@@ -53,7 +54,7 @@ def test_ggn_equals_the_dense_gauss_newton_and_is_psd(problem):
 def test_ggn_is_not_the_hessian(problem):
     """The check can fail: the Hessian of the same model and tokens is another matrix (and indefinite)."""
     model, x, y, G, _ = problem
-    with Objective(model, x, y, dtype="fp64") as op:
+    with Hessian(model, x, y, dtype="fp64") as op:
         Hm = dense(op)
     assert float((Hm - G).abs().max()) > 1e-3 * float(G.abs().max())
     assert float(torch.linalg.eigvalsh((Hm + Hm.T) / 2).min()) < 0

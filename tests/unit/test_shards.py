@@ -1,7 +1,8 @@
 """'K processes give the numbers of 1', simulated in one process: K = 1, 2, 3 ranks as threads, each with its own
 rank, whose all_reduce_sum is a real sum over the K threads. The shards of n items cover [0, n) disjointly and in
-rank order, and the evaluation loss and gradient of the curvature engine (cemtool.analysis.hessian.Objective) summed
-over the ranks' shards are the whole set's. The real 2-process runs are tests/e2e/test_distributed.py (analyses) and
+rank order, and the evaluation loss and gradient of the curvature engine
+(cemtool.analysis.curvature.risk.EmpiricalRisk) summed over the ranks' shards are the whole set's. The real
+2-process runs are tests/e2e/test_distributed.py (analyses) and
 tests/e2e/test_train.py::test_ddp_two_processes_match_one (training)."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cemtool import distributed
-from cemtool.analysis import hessian
-from cemtool.analysis.hessian import Objective
+from cemtool.analysis.curvature import operators, risk
+from cemtool.analysis.curvature.operators import Hessian
 from cemtool.distributed import Dist
 
 from kit import tiny_model, tiny_tokens
@@ -56,7 +57,8 @@ class Ranks:
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(self.k)]
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(distributed, "current", self.current)
-            mp.setattr(hessian, "all_reduce_sum", self.all_reduce_sum)
+            for module in (risk, operators):  # the risk's sums and the operators' products
+                mp.setattr(module, "all_reduce_sum", self.all_reduce_sum)
             for t in threads:
                 t.start()
             for t in threads:
@@ -83,13 +85,13 @@ def test_fewer_items_than_ranks_is_refused():
 @settings(max_examples=10, deadline=None)
 @given(k=st.integers(1, 3), n=st.integers(3, 7), batch=st.integers(1, 4), seed=st.integers(0, 2**16))
 def test_loss_and_gradient_over_k_ranks_are_the_whole_sets(k, n, batch, seed):
-    """Objective's mean token loss and its gradient, each rank on its shard of the n sequences (in batches of
+    """Hessian's mean token loss and its gradient, each rank on its shard of the n sequences (in batches of
     ``batch``), summed over the ranks: the one-process numbers to float64 rounding."""
     model = tiny_model("baseline", n_layer=1, mlp_hidden=16, vocab=V, seq_len=T)
     x, y = tiny_tokens(n, T, V, seed)
 
     def measure():
-        obj = Objective(model, x, y, dtype="fp64", batch_size=batch)
+        obj = Hessian(model, x, y, dtype="fp64", batch_size=batch)
         loss, grad = obj.gradient()
         return obj.loss(), loss, grad
 

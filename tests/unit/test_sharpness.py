@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.func import functional_call
 
-from cemtool.analysis.hessian import Objective
+from cemtool.analysis.curvature.operators import Hessian
 from cemtool.analysis.sharpness import (
     SharpnessOptions,
     asam_sharpness,
@@ -162,7 +162,7 @@ def test_average_case_sharpness_is_unbiased_on_a_quadratic(quad):
 def test_sharpness_on_a_model_matches_second_order_taylor(model_problem):
     model, x, y, H = model_problem
     rho = 1e-3
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         loss0, g = obj.gradient()
         w = obj.parameters_vector()
         s = sam_sharpness(obj, rho)
@@ -178,7 +178,7 @@ def test_sharpness_on_a_model_matches_second_order_taylor(model_problem):
 
 def test_filter_normalised_directions(model_problem):
     model, x, y, _ = model_problem
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         d = obj.split(filter_normalized_direction(obj, torch.Generator().manual_seed(0)))
         for p, di in zip(obj.params, d, strict=True):
             if p.dim() < 2:
@@ -186,14 +186,14 @@ def test_filter_normalised_directions(model_problem):
             else:
                 np.testing.assert_allclose(di.reshape(p.shape[0], -1).norm(dim=1),
                                            p.detach().reshape(p.shape[0], -1).norm(dim=1), rtol=1e-10)
-    with Objective(model, x, y, params="*ln*", dtype="fp64") as obj, pytest.raises(CemtoolError, match="1-D"):
+    with Hessian(model, x, y, params="*ln*", dtype="fp64") as obj, pytest.raises(CemtoolError, match="1-D"):
         filter_normalized_direction(obj, torch.Generator())
 
 
 def test_loss_slices_are_the_loss_along_the_directions(model_problem):
     model, x, y, H = model_problem
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with Objective(model, x, y, dtype="fp64") as obj:
+    with Hessian(model, x, y, dtype="fp64") as obj:
         loss0 = obj.loss()
         sl = loss_slice_1d(obj, span=1e-3, points=3, seed=4)
         d = filter_normalized_direction(obj, torch.Generator().manual_seed(4))  # the slice's direction

@@ -2,11 +2,12 @@
 
 Every operator is the curvature of the same empirical risk, the token-mean cross entropy
 L(w) = (1/N) Σ_t ℓ_t(w) over a fixed evaluation set of N tokens, restricted to a parameter subset w (n
-parameters). :class:`~cemtool.analysis.hessian.Objective` holds what they share (evaluation batches,
-token-weighted sums, the all-reduce under torchrun, the parameter subset, the dtype copy, the graph budget) and is
-the Hessian operator; the others are its subclasses and replace only the product ``matvec``:
+parameters). :class:`~cemtool.analysis.curvature.risk.EmpiricalRisk` holds what they share (evaluation
+batches, token-weighted sums, the all-reduce under torchrun, the parameter subset, the dtype copy, the memory
+check, L and ∇L); each operator is its subclass and adds only its product ``matvec``:
 
-- ``hessian``: H = ∇²L, exact double backward or the central difference of two gradients (``hvp``);
+- ``hessian``: H = ∇²L, exact double backward or the central difference of two gradients (``hvp``), with the
+  first-order graphs kept for reuse within a memory budget;
 - ``ggn``: the generalised Gauss-Newton G = (1/N) Σ_t J_tᵀ (diag p_t − p_t p_tᵀ) J_t, with J_t the Jacobian of
   token t's logits and p_t its softmax: the Hessian with the model's second derivatives dropped, positive
   semi-definite; for softmax cross entropy it is also the Fisher of the model's predictive distribution;
@@ -30,9 +31,10 @@ import torch
 import torch.nn.functional as F
 
 from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
-from cemtool.analysis.hessian import Objective
+from cemtool.analysis.curvature.risk import EmpiricalRisk, resolve_dtype
 from cemtool.distributed import all_reduce_sum
 from cemtool.errors import CemtoolError
+from cemtool.memory import available_memory  # the one memory probe (cgroup limit included)
 from cemtool.models.lm import lm_loss
 
 
@@ -42,15 +44,131 @@ def draw_seed(seed: int, sequence: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{sequence}".encode(), digest_size=4).digest(), "little")
 
 
-class JacobianOperator(Objective, ABC):
+class Hessian(EmpiricalRisk):
+    """The Hessian H = ∇²L of the empirical risk (indefinite away from a minimum).
+
+    ``hvp``: how H v is computed [decision: measured, docs/performance.md]. 'exact' (default): reverse over reverse,
+    the gradient of (grad L . v), exact to rounding. 'fd': the central difference of two exact gradients,
+    (grad L(w + h v) - grad L(w - h v)) / 2h with h = FD_STEP / |v| — a gradient's memory (no second-order graph)
+    and two gradients' time, with an error of order h^2 |v|^2 (third derivatives) plus rounding u / h; float64
+    only, where it is about 1e-9 relative (in float32 the shifted weights would keep only ~3 digits of h v).
+
+    ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
+    again for every HVP ('auto': as many batches as fit in ``graph_budget`` bytes, default a quarter of the free
+    memory; True: all; False: none). Kept graphs are the only memory that grows with N (up to that budget).
+    """
+
+    name = "hessian"
+
+    def __init__(self, model, x, y, *, hvp: str = "exact", keep_graph: bool | str = "auto",
+                 graph_budget: int | None = None, **kw):
+        check_hvp_method(hvp, resolve_dtype(kw.get("dtype", "fp64")))
+        if graph_budget is not None and graph_budget < 0:
+            raise CemtoolError(f"the kept-graph memory budget must be >= 0 bytes, got {graph_budget}")
+        super().__init__(model, x, y, **kw)
+        self.hvp_method = hvp
+        if hvp == "fd":  # its truncation scale (h |v|)^2 ~ 4e-11 (measured errors 6e-11 to 8e-11, times the
+            self.hvp_eps = max(self.hvp_eps, FD_STEP ** 2)  # bound's max(sqrt(n), 10) factor: conservative)
+        self.keep_graph, self.graph_budget = keep_graph, graph_budget
+        self._graphs: list[list[torch.Tensor | None]] | None = None  # kept first-order graphs (None: not planned)
+
+    def close(self) -> None:
+        """Drop kept graphs, then restore the model (EmpiricalRisk.close)."""
+        self._graphs = None
+        super().close()
+
+    def _shift_started(self) -> None:
+        self._graphs = None  # kept graphs belong to the old weights
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """The operator's product (cemtool.analysis.curvature.protocol): H v."""
+        return self.hvp(v)
+
+    def _first_order_graph(self, b: int) -> list[torch.Tensor | None]:
+        loss = self._batch_loss(b)
+        return list(torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True))
+
+    def _plan_graphs(self) -> int:
+        """How many batches keep their gradient graph (measured on the first batch)."""
+        if self.keep_graph is False:
+            return 0
+        if self.keep_graph is True:
+            return len(self.batches)
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            try:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            except RuntimeError:  # tensors without storage (e.g. wrapped subclasses)
+                pass
+            return t
+
+        with self._context(grad=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            graph = self._first_order_graph(0)
+        per_batch = 2 * sum(seen.values()) + 8 * self.n  # x2: the double-backward graph
+        budget = self.graph_budget
+        if budget is None:
+            budget = 0.25 * (available_memory(self.device) or 4 * 2**30)  # unknown: assume 4 GiB free
+        keep = min(len(self.batches), int(budget // max(per_batch, 1)))
+        self._graphs = [graph] if keep else []
+        return keep
+
+    def _graph(self, b: int) -> tuple[list[torch.Tensor | None], bool]:
+        """The first-order gradient graph of batch b and whether it is kept for reuse."""
+        if self._graphs is None:
+            self.kept_graph_batches = self._plan_graphs()
+            self._graphs = self._graphs or []
+        if b < self.kept_graph_batches:
+            if b >= len(self._graphs):
+                self._graphs.append(self._first_order_graph(b))
+            return self._graphs[b], True
+        return self._first_order_graph(b), False
+
+    def hvp(self, v: torch.Tensor) -> torch.Tensor:
+        """H v for a flat (n,) vector, returned flat (n,) float64 (H of the parameter subset only)."""
+        if self.hvp_method == "fd":
+            return self._hvp_central_difference(v)
+        vs = self.split(v)
+        out = torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        with self._context(grad=True):
+            for b in range(len(self.batches)):
+                grads, kept = self._graph(b)
+                live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+                if not live:
+                    continue
+                hv = torch.autograd.grad([grads[i] for i in live], self.params, [vs[i] for i in live],
+                                         retain_graph=kept, allow_unused=True)
+                out += self.flat(list(hv))
+        self.hvps += 1
+        return all_reduce_sum(out)
+
+    def _hvp_central_difference(self, v: torch.Tensor) -> torch.Tensor:
+        """(grad L(w + h v) - grad L(w - h v)) / 2h, h = FD_STEP / |v|: no second-order graph is ever built."""
+        norm = float(v.norm())
+        if norm == 0.0:
+            self.hvps += 1
+            return torch.zeros(self.n, dtype=torch.float64, device=self.device)
+        h = FD_STEP / norm
+        grads = []
+        for sign in (1.0, -1.0):
+            with self.shifted(sign * h * v):
+                grads.append(self._gradient()[1])  # (n,) float64, summed over the ranks: part of one HVP
+        self.hvps += 1
+        return (grads[0] - grads[1]) / (2.0 * h)
+
+
+class JacobianOperator(EmpiricalRisk, ABC):
     """Jᵀ M J for the Jacobian J of a per-token output f of the model (subclasses: :meth:`outputs`, :meth:`middle`)
     and the token-mean cross entropy of the evaluation set."""
 
     name = "jacobian"
 
-    def __init__(self, model, x, y, **kw):
-        if kw.get("hvp", "exact") != "exact":
-            raise CemtoolError(f"--hvp {kw['hvp']} is a Hessian product; the {self.name} operator has its own",
+    def __init__(self, model, x, y, *, hvp: str = "exact", keep_graph: bool | str = "auto",
+                 graph_budget: int | None = None, **kw):
+        """``hvp``, ``keep_graph``, ``graph_budget``: the Hessian's options, accepted so that one call builds any
+        operator; a Jacobian product keeps no graph between products, and any ``hvp`` but 'exact' is refused."""
+        if hvp != "exact":
+            raise CemtoolError(f"--hvp {hvp} is a Hessian product; the {self.name} operator has its own",
                                hint="drop --hvp, or use --operator hessian")
         if kw.get("loss_fn", lm_loss) is not lm_loss:
             raise CemtoolError(f"the {self.name} operator is defined for the next-token cross entropy only")
@@ -63,11 +181,6 @@ class JacobianOperator(Objective, ABC):
     @abstractmethod
     def middle(self, b: int, f: torch.Tensor, jv: torch.Tensor) -> torch.Tensor:
         """M (J v) for batch b, already divided by the token count N (and the draws S)."""
-
-    def _logits(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
-        xb, yb = (t.to(self.device) for t in self.batches[b])
-        logits = self.model(xb)  # (B, T, V)
-        return logits.to(self.dtype), yb
 
     def matvec(self, v: torch.Tensor) -> torch.Tensor:
         """Jᵀ M J v for a flat (n,) vector, flat (n,) float64, summed over the batches and the ranks."""
@@ -150,7 +263,20 @@ class MCFisher(JacobianOperator):
         return jv / (self.tokens * self.mc_samples)  # (B, T, S)
 
 
-OPERATORS: dict[str, type[Objective]] = {"hessian": Objective, "ggn": GGN, "ef": EmpiricalFisher, "fisher": MCFisher}
+HVP_METHODS = ("exact", "fd")
+FD_STEP = float(torch.finfo(torch.float64).eps) ** (1 / 3)  # |h v| of the central difference: ~6e-6
+
+
+def check_hvp_method(method: str, dtype: torch.dtype) -> None:
+    """An HVP method by name; 'fd' needs float64."""
+    if method not in HVP_METHODS:
+        raise CemtoolError(f"unknown HVP method {method!r}", hint=f"use {' or '.join(HVP_METHODS)}")
+    if method == "fd" and dtype != torch.float64:
+        raise CemtoolError("the central-difference HVP (--hvp fd) needs --dtype fp64: in fp32 the shifted weights "
+                           "keep only about 3 digits of the step", hint="add --dtype fp64, or use --hvp exact")
+
+
+OPERATORS: dict[str, type[EmpiricalRisk]] = {"hessian": Hessian, "ggn": GGN, "ef": EmpiricalFisher, "fisher": MCFisher}
 PSD = {"ggn", "ef", "fisher"}  # positive semi-definite by construction
 assert OPERATORS.keys() == OPERATOR_NAMES.keys() == SYMBOLS.keys()  # one list of operators
 
@@ -160,14 +286,14 @@ def check_operator(name: str) -> None:
         raise CemtoolError(f"unknown curvature operator {name!r}", hint=f"use {', '.join(OPERATORS)}")
 
 
-def make_operator(name: str, model, x, y, *, mc_samples: int = 1, seed: int = 0, **kw) -> Objective:
-    """The operator ``name`` of ``model`` on the evaluation set (x, y) (keywords: those of Objective; the
-    Monte-Carlo Fisher also takes ``mc_samples`` and ``seed``)."""
+def make_operator(name: str, model, x, y, *, mc_samples: int = 1, seed: int = 0, **kw) -> EmpiricalRisk:
+    """The operator ``name`` of ``model`` on the evaluation set (x, y) (keywords: those of EmpiricalRisk and the
+    Hessian's; the Monte-Carlo Fisher also takes ``mc_samples`` and ``seed``)."""
     check_operator(name)
     if name == "fisher":
         return MCFisher(model, x, y, mc_samples=mc_samples, seed=seed, **kw)
     return OPERATORS[name](model, x, y, **kw)
 
 
-__all__ = ["GGN", "OPERATORS", "PSD", "EmpiricalFisher", "JacobianOperator", "MCFisher", "check_operator",
-           "make_operator"]
+__all__ = ["FD_STEP", "GGN", "HVP_METHODS", "OPERATORS", "PSD", "EmpiricalFisher", "Hessian", "JacobianOperator",
+           "MCFisher", "check_hvp_method", "check_operator", "make_operator"]

@@ -394,7 +394,7 @@ ADDED = "added by cemtool export (zero; the run has no such parameters)"
 
 def mark_added(model, names: list, spec: str) -> None:
     """Record the tensors ``cemtool export`` added (GPT-2's zero projection biases) in ``model.fixed`` (the reason):
-    curvature analyses leave fixed parameters out (cemtool.analysis.hessian.select_parameters), so an exported
+    curvature analyses leave fixed parameters out (cemtool.analysis.curvature.risk.select_parameters), so an exported
     run's Hessian, λ_max included, is the run's."""
     own = dict(model.hf.named_parameters())
     for name in names:

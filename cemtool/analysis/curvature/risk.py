@@ -1,21 +1,12 @@
-"""Curvature of the loss (METHODS §6): the operator of a language model and its Hessian-vector products.
+"""The empirical risk every curvature operator is the curvature of (METHODS §6; docs/sharpness.md "Operators").
 
-:class:`Objective` is the operator of a language model: the mean next-token loss over a fixed evaluation set of
-N tokens, as a function of a subset of the parameters (:func:`select_parameters`), with ``n`` (its dimension),
-``matvec(v) = hvp(v) -> H v`` and ``device`` (the protocol of :mod:`cemtool.analysis.curvature.protocol`, which
-also has :class:`DenseOperator`, an explicit symmetric matrix for tests and for checking the estimators); the
-GGN and the Fisher operators of :mod:`cemtool.analysis.curvature.operators` are its subclasses. The estimators take
-any operator; they are pure functions returning dataclasses, re-exported here:
-
-- :func:`lanczos`  extreme eigenvalues at both ends, with Ritz residuals, error estimates and converged flags
-  (:mod:`cemtool.analysis.lanczos`),
-- :func:`hutchinson`, :func:`hutch_plus_plus`, :func:`xtrace`  tr(H) with a standard error, and tr(H)/n
-  (:mod:`cemtool.analysis.trace`),
-- :func:`slq`  the spectral density by stochastic Lanczos quadrature, Gaussian-smoothed with a reported sigma
-  (:mod:`cemtool.analysis.density`).
-
-Notation: n = parameters in the subset, N = evaluation tokens, k = requested eigenvalues, m = Lanczos steps.
-The Lanczos recurrences (alpha, beta) and the basis are float64 whatever the HVP dtype.
+:class:`EmpiricalRisk` is the token-mean loss L(w) = (1/N) Σ_t ℓ_t(w) over a fixed evaluation set of N target
+tokens, as a function of a parameter subset w of n parameters (:func:`select_parameters`). It is written once and
+holds what every operator shares: the evaluation batches (token-weighted sums), the share of the sequences of each
+rank and the all-reduce under torchrun, the parameter subset, the dtype copy of the model, the memory check, the
+precision the forward really computes in (:func:`forward_precision`), L and ∇L, and exact parameter shifts. It is
+not an operator: the operators of :mod:`cemtool.analysis.curvature.operators` are its subclasses and add only
+their product ``matvec``.
 """
 
 from __future__ import annotations
@@ -31,13 +22,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cemtool.analysis.curvature.protocol import Callback, DenseOperator
-from cemtool.analysis.density import Density, slq, smooth_density
-from cemtool.analysis.lanczos import Eigenvalues, LanczosState, error_estimates, lanczos, lanczos_iterate
-from cemtool.analysis.trace import Trace, hutch_plus_plus, hutchinson, xtrace
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
-from cemtool.memory import available_memory  # the one memory probe and curvature check (cgroup limit included)
 from cemtool.memory import check_curvature_memory as check_memory
 from cemtool.models.capabilities import Capabilities
 from cemtool.models.layers import attention_impl
@@ -110,10 +96,10 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the operator of a language model
+# the empirical risk
 
 
-class Objective:
+class EmpiricalRisk:
     """The mean token loss L(w) over a fixed evaluation set, as a function of a parameter subset w (METHODS §6).
 
     L(w) = (1/N) sum over all N target tokens of -log p(token), evaluated in batches of ``batch_size``
@@ -121,36 +107,20 @@ class Objective:
     explicit-softmax path (fused kernels have no double backward) and autocast off. ``dtype`` fp64 works on a
     converted copy of the model; fp32 on a model already in fp32 uses the model itself and restores its
     mode and ``requires_grad`` flags in :meth:`close`. Parameter shifts (:meth:`shifted`) are undone exactly.
-
-    ``hvp``: how H v is computed [decision: measured, docs/performance.md]. 'exact' (default): reverse over reverse,
-    the gradient of (grad L . v), exact to rounding. 'fd': the central difference of two exact gradients,
-    (grad L(w + h v) - grad L(w - h v)) / 2h with h = FD_STEP / |v| — a gradient's memory (no second-order graph)
-    and two gradients' time, with an error of order h^2 |v|^2 (third derivatives) plus rounding u / h; float64
-    only, where it is about 1e-9 relative (in float32 the shifted weights would keep only ~3 digits of h v).
-
-    ``keep_graph``: keep each batch's first-order gradient graph (``create_graph=True``) and differentiate it
-    again for every HVP ('auto': as many batches as fit in ``graph_budget`` bytes, default a quarter of the free
-    memory; True: all; False: none). Kept graphs are the only memory that grows with N (up to that budget).
-    Use as a context manager, or call :meth:`close`.
+    ``vectors``: how many n-vectors the caller will hold (Lanczos's basis), for the memory check made before
+    anything is copied. Use as a context manager, or call :meth:`close`.
 
     Under torchrun (a process group of K ranks) each rank evaluates a contiguous share of the sequences; the
-    token-weighted float64 sums (loss, gradient, H v) are all-reduced, so every rank holds the same result and the
-    estimators run unchanged (their random vectors come from seeded generators, the same on every rank).
+    token-weighted float64 sums (loss, gradient, products) are all-reduced, so every rank holds the same result and
+    the estimators run unchanged (their random vectors come from seeded generators, the same on every rank).
     Token ids stay on the CPU and go to the device one batch at a time.
     """
 
     def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, *, params: str = "all",
                  dtype: str | torch.dtype = "fp64", device: str | torch.device | None = None,
-                 batch_size: int | None = None, keep_graph: bool | str = "auto", graph_budget: int | None = None,
-                 vectors: int = 0, hvp: str = "exact",
+                 batch_size: int | None = None, vectors: int = 0,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss):
         self.dtype = resolve_dtype(dtype)
-        check_hvp_method(hvp, self.dtype)
-        self.hvp_method = hvp
-        # the relative error level of one product, in the Lanczos rounding term: float eps, or for the central
-        # difference its truncation scale (h |v|)^2 ~ 4e-11 (measured errors 6e-11 to 8e-11, times the term's
-        # max(sqrt(n), 10) factor: a conservative bound)
-        self.hvp_eps = FD_STEP ** 2 if hvp == "fd" else float(torch.finfo(self.dtype).eps)
         first = next(iter(model.parameters()), None)
         if first is None:
             raise CemtoolError("the model has no parameters")
@@ -180,10 +150,10 @@ class Objective:
         for p in self.params:
             p.requires_grad_(True)
         # the precision the forward really computes in (transformers keeps softmax and RMSNorm in float32 in an
-        # fp64 model): the rounding term of every bound uses its eps, not the requested dtype's
+        # fp64 model): the relative error level of one product (``hvp_eps``, the rounding term of every Lanczos
+        # bound) is its eps when that is coarser than the requested dtype's
         self.compute_dtype = forward_precision(self.model, x[:1].to(self.device))
-        if torch.finfo(self.compute_dtype).eps > self.hvp_eps:
-            self.hvp_eps = float(torch.finfo(self.compute_dtype).eps)
+        self.hvp_eps = max(float(torch.finfo(self.dtype).eps), float(torch.finfo(self.compute_dtype).eps))
         self.shapes = [p.shape for p in self.params]
         self.sizes = [p.numel() for p in self.params]
         self.n = self.size = sum(self.sizes)
@@ -196,30 +166,24 @@ class Objective:
         x, y = x[mine.start:mine.stop].cpu(), y[mine.start:mine.stop].cpu()
         self.batches = [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]  # on the CPU until used
         self.n_batches = int(all_reduce_sum(torch.tensor([float(len(self.batches))], dtype=torch.float64))[0])
-        self.keep_graph = keep_graph
-        if graph_budget is not None and graph_budget < 0:
-            raise CemtoolError(f"the kept-graph memory budget must be >= 0 bytes, got {graph_budget}")
-        self.graph_budget = graph_budget
-        self._graphs: list[list[torch.Tensor | None]] | None = None  # kept first-order graphs (None: not planned)
-        self._n_kept = 0  # how many batches keep their graph
-        self.hvps = 0  # Hessian-vector products so far
+        self.kept_graph_batches = 0  # batches whose graph an operator keeps between products (the Hessian's)
+        self.hvps = 0  # operator products so far (Hessian, GGN or Fisher: the estimators' unit of cost)
         self.evaluations = 0  # loss-only passes over the evaluation set
         self.gradients = 0  # gradient passes over the evaluation set
         self.closed = False
 
     # -- plumbing --------------------------------------------------------------------------------------------------
 
-    def __enter__(self) -> Objective:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     def close(self) -> None:
-        """Drop kept graphs; if the model itself was used, restore its train/eval mode and requires_grad."""
+        """If the model itself was used, restore its train/eval mode and requires_grad."""
         if self.closed:
             return
-        self._graphs = None
         if not self._owned:
             for p in self.model.parameters():
                 p.requires_grad_(self._requires_grad.get(id(p), p.requires_grad))
@@ -237,7 +201,7 @@ class Objective:
             yield
 
     def split(self, v: torch.Tensor) -> list[torch.Tensor]:
-        """Flat (n,) -> one tensor per parameter, in the objective's dtype and device."""
+        """Flat (n,) -> one tensor per parameter, in the risk's dtype and device."""
         v = v.to(device=self.device, dtype=self.dtype)
         return [t.view(s) for t, s in zip(torch.split(v, self.sizes), self.shapes, strict=True)]
 
@@ -255,12 +219,20 @@ class Objective:
         """The current parameter subset w, flat (n,) float64."""
         return self.flat(list(self.params))
 
-    def _batch_loss(self, b: int) -> torch.Tensor:
+    def _logits(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch b's logits (B, T, V), in the risk's dtype, and its targets (B, T), on the device."""
         xb, yb = (t.to(self.device) for t in self.batches[b])
-        logits = self.model(xb)  # (B, T, V)
+        return self.model(xb).to(self.dtype), yb
+
+    def _batch_loss(self, b: int) -> torch.Tensor:
+        logits, yb = self._logits(b)  # (B, T, V), (B, T)
         return self.loss_fn(logits, yb, reduction="sum") / self.tokens  # this batch's share of the mean
 
-    # -- L, grad L, H v ------------------------------------------------------------------------------------------
+    def _sum(self, total: float) -> float:
+        """A float summed over the ranks (itself with one process)."""
+        return float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
+
+    # -- L and grad L --------------------------------------------------------------------------------------------
 
     def loss(self) -> float:
         """L(w): mean token loss over the evaluation set (nats)."""
@@ -270,10 +242,6 @@ class Objective:
                 total += float(self._batch_loss(b))
         self.evaluations += 1
         return self._sum(total)
-
-    def _sum(self, total: float) -> float:
-        """A float summed over the ranks (itself with one process)."""
-        return float(all_reduce_sum(torch.tensor([total], dtype=torch.float64, device=self.device))[0])
 
     def gradient(self) -> tuple[float, torch.Tensor]:
         """(L(w), grad L(w) flat (n,) float64)."""
@@ -290,88 +258,14 @@ class Objective:
                 total += float(loss.detach())
         return self._sum(total), all_reduce_sum(g)
 
-    def _first_order_graph(self, b: int) -> list[torch.Tensor | None]:
-        loss = self._batch_loss(b)
-        return list(torch.autograd.grad(loss, self.params, create_graph=True, allow_unused=True))
-
-    def _plan_graphs(self) -> int:
-        """How many batches keep their gradient graph (measured on the first batch)."""
-        if self.keep_graph is False:
-            return 0
-        if self.keep_graph is True:
-            return len(self.batches)
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            try:
-                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            except RuntimeError:  # tensors without storage (e.g. wrapped subclasses)
-                pass
-            return t
-
-        with self._context(grad=True), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            graph = self._first_order_graph(0)
-        per_batch = 2 * sum(seen.values()) + 8 * self.n  # x2: the double-backward graph
-        budget = self.graph_budget
-        if budget is None:
-            budget = 0.25 * (available_memory(self.device) or 4 * 2**30)  # unknown: assume 4 GiB free
-        keep = min(len(self.batches), int(budget // max(per_batch, 1)))
-        self._graphs = [graph] if keep else []
-        return keep
-
-    def _graph(self, b: int) -> tuple[list[torch.Tensor | None], bool]:
-        """The first-order gradient graph of batch b and whether it is kept for reuse."""
-        if self._graphs is None:
-            self._n_kept = self._plan_graphs()
-            self._graphs = self._graphs or []
-        if b < self._n_kept:
-            if b >= len(self._graphs):
-                self._graphs.append(self._first_order_graph(b))
-            return self._graphs[b], True
-        return self._first_order_graph(b), False
-
-    def matvec(self, v: torch.Tensor) -> torch.Tensor:
-        """The operator's product (the protocol of cemtool.analysis.curvature.protocol): here the Hessian's, H v;
-        the operators of cemtool.analysis.curvature.operators replace it with theirs."""
-        return self.hvp(v)
-
-    def hvp(self, v: torch.Tensor) -> torch.Tensor:
-        """H v for a flat (n,) vector, returned flat (n,) float64 (H of the parameter subset only)."""
-        if self.hvp_method == "fd":
-            return self._hvp_central_difference(v)
-        vs = self.split(v)
-        out = torch.zeros(self.n, dtype=torch.float64, device=self.device)
-        with self._context(grad=True):
-            for b in range(len(self.batches)):
-                grads, kept = self._graph(b)
-                live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
-                if not live:
-                    continue
-                hv = torch.autograd.grad([grads[i] for i in live], self.params, [vs[i] for i in live],
-                                         retain_graph=kept, allow_unused=True)
-                out += self.flat(list(hv))
-        self.hvps += 1
-        return all_reduce_sum(out)
-
-    def _hvp_central_difference(self, v: torch.Tensor) -> torch.Tensor:
-        """(grad L(w + h v) - grad L(w - h v)) / 2h, h = FD_STEP / |v|: no second-order graph is ever built."""
-        norm = float(v.norm())
-        if norm == 0.0:
-            self.hvps += 1
-            return torch.zeros(self.n, dtype=torch.float64, device=self.device)
-        h = FD_STEP / norm
-        grads = []
-        for sign in (1.0, -1.0):
-            with self.shifted(sign * h * v):
-                grads.append(self._gradient()[1])  # (n,) float64, summed over the ranks: part of one HVP
-        self.hvps += 1
-        return (grads[0] - grads[1]) / (2.0 * h)
+    def _shift_started(self) -> None:
+        """Called before the weights move (:meth:`shifted`): a subclass drops what depends on them."""
 
     @contextmanager
     def shifted(self, delta: torch.Tensor) -> Iterator[None]:
-        """Evaluate at w + delta inside the context; the exact w is restored on exit (kept graphs dropped)."""
+        """Evaluate at w + delta inside the context; the exact w is restored on exit."""
         saved = [p.detach().clone() for p in self.params]
-        self._graphs = None
+        self._shift_started()
         try:
             with torch.no_grad():
                 for p, d in zip(self.params, self.split(delta), strict=True):
@@ -383,7 +277,6 @@ class Objective:
                     p.copy_(s)
 
 
-HVP_METHODS = ("exact", "fd")
 @torch.no_grad()
 def forward_precision(model: nn.Module, x: torch.Tensor) -> torch.dtype:
     """The least precise floating dtype among every intermediate tensor of one forward pass on ``x`` (a dtype
@@ -403,18 +296,4 @@ def forward_precision(model: nn.Module, x: torch.Tensor) -> torch.dtype:
     return max(seen or {first.dtype}, key=lambda d: torch.finfo(d).eps)
 
 
-FD_STEP = float(torch.finfo(torch.float64).eps) ** (1 / 3)  # |h v| of the central difference: ~6e-6
-
-
-def check_hvp_method(method: str, dtype: torch.dtype) -> None:
-    """An HVP method by name; 'fd' needs float64."""
-    if method not in HVP_METHODS:
-        raise CemtoolError(f"unknown HVP method {method!r}", hint=f"use {' or '.join(HVP_METHODS)}")
-    if method == "fd" and dtype != torch.float64:
-        raise CemtoolError("the central-difference HVP (--hvp fd) needs --dtype fp64: in fp32 the shifted weights "
-                           "keep only about 3 digits of the step", hint="add --dtype fp64, or use --hvp exact")
-
-
-__all__ = ["Callback", "DenseOperator", "Density", "Eigenvalues", "LanczosState", "Objective", "Trace",
-           "available_memory", "check_memory", "error_estimates", "hutch_plus_plus", "hutchinson", "lanczos",
-           "lanczos_iterate", "select_parameters", "slq", "smooth_density", "xtrace"]
+__all__ = ["DTYPES", "EmpiricalRisk", "check_memory", "forward_precision", "resolve_dtype", "select_parameters"]

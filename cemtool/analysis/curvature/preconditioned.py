@@ -1,0 +1,41 @@
+"""The Adam-preconditioned operator (METHODS §6; docs/train.md "curvature tracking"): the curvature of the step Adam
+takes, D^{1/2} A D^{1/2} for the operator A of :mod:`cemtool.analysis.curvature.operators` and the diagonal
+D = P^{-1} that AdamW divides its momentum by; its λ_max is the preconditioned sharpness λ_max(P^{-1} A) whose
+stability threshold is (2 + 2 β1) / ((1 - β1) η) (Cohen et al. 2022)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def adam_preconditioner(optimizer, named: list[tuple[str, nn.Parameter]]) -> tuple[torch.Tensor | None, str | None]:
+    """D = P^{-1} flat (n,) float64 over the parameters ``named`` (in order): lr_mult / ((1 - β1^t)(sqrt(v_t /
+    (1 - β2^t)) + eps)), from the AdamW state. (None, why) when a parameter has no Adam state (before the first
+    step, or a parameter trained by another optimizer)."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    parts = []
+    for name, p in named:
+        g, st = groups.get(id(p)), optimizer.state.get(p, {})
+        if g is None or "betas" not in g or "exp_avg_sq" not in st:
+            return None, f"{name} has no Adam state" + (" yet" if g is not None and "betas" in g else "")
+        b1, b2 = g["betas"]
+        t = float(st["step"])
+        v_hat = st["exp_avg_sq"].detach().to(torch.float64) / (1 - b2**t)
+        P = (1 - b1**t) * (v_hat.sqrt() + g["eps"])  # what AdamW divides its momentum buffer by
+        parts.append((g.get("lr_mult", 1.0) / P).reshape(-1))
+    return torch.cat(parts), None  # (n,)
+
+
+class Preconditioned:
+    """The operator D^{1/2} H D^{1/2} (symmetric, same eigenvalues as D H) for a positive diagonal D, flat (n,)."""
+
+    def __init__(self, op, D: torch.Tensor):
+        self.op, self.n, self.device, self.dtype = op, op.n, op.device, op.dtype
+        self.half = D.to(device=op.device, dtype=torch.float64).sqrt()  # (n,)
+
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        return self.half * self.op.matvec(self.half * v.to(torch.float64))  # (n,)
+
+
+__all__ = ["Preconditioned", "adam_preconditioner"]
