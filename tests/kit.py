@@ -204,3 +204,11 @@ def one_line_error(res, *words, code: int = 1):
     assert "Traceback" not in res.output and "internal error" not in res.output, res.output
     for w in words:
         assert w in res.output, (w, res.output)
+
+
+def own_options(operator: str, **options) -> dict:
+    """The options among ``options`` that ``operator`` takes (make_operator refuses another operator's semantic
+    options: ``mc_samples`` is the Monte-Carlo Fisher's)."""
+    from cemtool.analysis.curvature.operators import OPERATORS
+
+    return {k: v for k, v in options.items() if k in OPERATORS[operator].takes}

@@ -86,6 +86,7 @@ import itertools
 from pathlib import Path
 
 from cemtool.analysis.compute import run_compute
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, title
 from cemtool.analysis.run_records import METRICS, NAMED, collect, settings_mismatch
 from cemtool.analysis.stats import spearman, summary, welch
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
@@ -218,9 +219,10 @@ def curvature_notes(records: list[dict]) -> list[str]:
     eigenvalue in magnitude: the weights are not near a minimum of this loss)."""
     out = []
     measured = [r for r in records if r["reports"]["sharpness"]]
-    ops = {r.get("curvature_operator") for r in measured} - {None, "hessian"}
+    ops = {r.get("curvature_operator") for r in measured} - {None, DEFAULT_OPERATOR}
     if ops:
-        out.append(f"the curvature columns (λ_max, λ_min, tr/n, tr) are of the {ops.pop()} operator, not the Hessian")
+        out.append(f"the curvature columns (λ_max, λ_min, tr/n, tr) are of the {ops.pop()} operator, not "
+                   f"{title(DEFAULT_OPERATOR)}")
     verdicts = [r["standing"] for r in measured if r.get("standing")]
     if verdicts:
         counts = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(verdicts))

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from cemtool.analysis.compute import run_compute
+from cemtool.analysis.curvature import DEFAULT_OPERATOR
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError, did_you_mean
 from cemtool.fileio import read_json
@@ -42,7 +43,7 @@ def sharpness_fields(report: dict) -> dict:
             "lambda_converged": all(flags) if flags else None,
             "trace_per_param": t.get("per_param"), "trace_per_param_se": t.get("per_param_se"),
             "trace": t.get("trace"), "trace_se": t.get("se"), "curvature_n": report.get("n_params"),
-            "curvature_operator": (report.get("options") or {}).get("operator", "hessian"),  # older reports: H
+            "curvature_operator": (report.get("options") or {}).get("operator", DEFAULT_OPERATOR),  # older reports: H
             "standing": (report.get("standing") or {}).get("verdict"), "grad_norm": report.get("grad_norm"),
             "sharpness_tokens": report.get("tokens")}
 

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
+from cemtool.analysis.curvature import CARDS, DEFAULT_OPERATOR, check_operator_options
 from cemtool.analysis.curvature.blocks import blocks_of, check_blocks
-from cemtool.analysis.curvature.operators import PSD, check_hvp_method, check_operator, make_operator
+from cemtool.analysis.curvature.operators import check_hvp_method, check_operator, make_operator
 from cemtool.analysis.curvature.protocol import Callback
 from cemtool.analysis.curvature.risk import resolve_dtype, select_parameters
 from cemtool.analysis.curvature.stationarity import GAP_TOL, NEG_TOL, Standing, certify
@@ -84,7 +85,7 @@ class SharpnessOptions:
     device: str | None = None
     graph_memory: float | None = None  # GiB of kept first-order graphs (None: a quarter of the free memory)
     hvp: str = "exact"  # exact (double backward) or fd (central difference of gradients; fp64 only)
-    operator: str = "hessian"  # hessian | ggn | ef | fisher (cemtool.analysis.curvature.operators)
+    operator: str = DEFAULT_OPERATOR  # hessian | ggn | ef | fisher | a registered one (curvature.operators)
     mc_samples: int = 1  # label draws per token of the Monte-Carlo Fisher (operator fisher)
     gap_tol: float = GAP_TOL  # nats: descent gap at or below which the model counts as stationary (stationarity)
     neg_tol: float = NEG_TOL  # relative negative curvature tolerated at a minimum (stationarity)
@@ -101,13 +102,9 @@ class SharpnessOptions:
                 raise CemtoolError(f"{name} must be >= 0")
         check_hvp_method(self.hvp, resolve_dtype(self.dtype))
         check_operator(self.operator)
-        if self.hvp != "exact" and self.operator != "hessian":
-            raise CemtoolError(f"--hvp {self.hvp} is a Hessian product; the {self.operator} operator has its own",
-                               hint="drop --hvp, or use --operator hessian")
         if self.mc_samples < 1:
             raise CemtoolError(f"mc_samples must be >= 1, got {self.mc_samples}")
-        if self.mc_samples != 1 and self.operator != "fisher":
-            raise CemtoolError("mc_samples is the Monte-Carlo Fisher's", hint="add --operator fisher")
+        check_operator_options(self.operator, hvp=self.hvp, mc_samples=self.mc_samples)
         if self.graph_memory is not None and not (math.isfinite(self.graph_memory) and self.graph_memory >= 0):
             raise CemtoolError(f"graph_memory must be a finite number of GiB >= 0, got {self.graph_memory}")
         for name in ("gap_tol", "neg_tol"):
@@ -295,7 +292,7 @@ def measure_sharpness(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
             end("spectral density (SLQ)")
         e = rep.eigen
         rep.standing = certify(
-            grad_norm=rep.grad_norm, n=obj.n, operator=o.operator, psd=o.operator in PSD,
+            grad_norm=rep.grad_norm, n=obj.n, operator=o.operator, psd=obj.psd,
             lambda_max=e.lambda_max if e is not None and e.top else None,
             lambda_min=e.bottom[0] if e is not None and e.bottom else None,
             lambda_min_error=e.bottom_error[0] if e is not None and e.bottom else None, density=rep.density,
@@ -468,7 +465,7 @@ def report_name(o: Options) -> str:
     """sharpness, sharpness-<params> for a subset, sharpness-per-layer for the per-layer table; another operator
     than the Hessian adds its name (sharpness-ggn, sharpness-ggn-per-layer, ...), so that reports of different
     operators never overwrite each other."""
-    base = "sharpness" if o.operator == "hessian" else f"sharpness-{o.operator}"
+    base = CARDS[o.operator].report
     if o.block_spec == "layer":
         return f"{base}-per-layer"
     if o.block_spec is not None:

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, card, symbol, title
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
@@ -65,8 +65,8 @@ def _pm(v, se) -> str:
 
 def _summary(rep, header: str) -> list[list[str]]:
     """Rows of the stdout table: quantity, value (± uncertainty), cost/notes."""
-    A = SYMBOLS[rep.options.operator]
-    rows = [["operator", rep.options.operator, OPERATOR_NAMES[rep.options.operator]],
+    A = symbol(rep.options.operator)
+    rows = [["operator", rep.options.operator, title(rep.options.operator)],
             ["loss (nats/token)", _fmt(rep.loss), f"{rep.tokens:,} tokens"],
             ["‖grad‖", _fmt(rep.grad_norm), ""]]
     st = rep.standing
@@ -141,7 +141,7 @@ def sharpness(
                                           "needs --dtype fp64)")] = "exact",
     operator: Annotated[str, typer.Option(help="curvature operator: hessian (default), ggn (generalised Gauss-Newton, "
                                                "PSD), ef (empirical Fisher) or fisher (Monte-Carlo Fisher); see "
-                                               "docs/sharpness.md")] = "hessian",
+                                               "docs/sharpness.md")] = DEFAULT_OPERATOR,
     mc_samples: Annotated[int, typer.Option(help="label draws per token of --operator fisher (seeded by --seed; "
                                                  "default 1)", min=1)] = 1,
     params: Annotated[str, typer.Option(help="parameter subset: all, layer:N, attn, mlp, embed, or a glob on "
@@ -267,7 +267,7 @@ def _check_per_layer_usage(per_layer: bool, params: str, backend: str) -> None:
 
 def _print_per_layer(res, seconds: float) -> None:
     """--per-layer: the table of each layer's λ_max and tr(H)."""
-    layers, opts, A = res.report.layers, res.report.options, SYMBOLS[res.report.options.operator]
+    layers, opts, A = res.report.layers, res.report.options, symbol(res.report.options.operator)
     rows = [[r.block or str(r.layer), f"{r.n_params:,}",
              "" if r.lambda_max is None else f"{_fmt(r.lambda_max)} (err ≤~{_fmt(r.lambda_max_error, 2)})",
              "" if r.lambda_max_converged is None else ("yes" if r.lambda_max_converged else "NOT converged"),
@@ -303,7 +303,7 @@ def _pyhessian(run: Path, opts, *, checkpoint: str, data: str | None, device: st
     from cemtool.analysis.sharpness import report_name  # start-up (torch)
     from cemtool.jobs import run_job  # start-up: torch
 
-    if opts.operator != "hessian":
+    if not card(opts.operator).pyhessian:
         raise UsageError(f"--operator {opts.operator} is cemtool's own; PyHessian computes Hessian products only",
                          hint="drop --operator, or use --backend cemtool")
     if opts.hvp != "exact":

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cemtool.errors import CemtoolError
 from cemtool.layout import is_hf_dir, is_run
+from cemtool.plots.blocks import plot_blocks
 from cemtool.plots.collapse import plot_collapse
 from cemtool.plots.compare import layer_of, plot_compare, plot_forgetting, plot_layer_eigenvalues
 from cemtool.plots.curvature import plot_curvature
@@ -76,14 +77,14 @@ def _compare(report: dict, plots: Path, stem: str) -> list[Path]:
     return plot_compare(report, plots, stem)
 
 
-def _no_figure(report: dict, plots: Path, stem: str) -> list[Path]:
-    return []  # a table only (sharpness --per-layer: its numbers are in report.md)
+def _blocks(report: dict, plots: Path, stem: str) -> list[Path]:
+    return plot_blocks(report, plots, f"{stem}_blocks")  # sharpness --per-layer / --blocks: block x layer maps
 
 
 PLOTTERS: dict[str, Plotter] = {"collapse": _collapse, "collapse_compare": _collapse, "compare": _compare,
                                 "forgetting": _forgetting, "saturation": _saturation,
                                 "saturation_sweep": _saturation_sweep, "sharpness": _sharpness,
-                                "sharpness_per_layer": _no_figure}
+                                "sharpness_per_layer": _blocks}
 
 SHAPE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, symbol, title
 from cemtool.plots.compare import layer_of
 from cemtool.report import SPREAD, fmt, markdown_table, report_kind, report_options
 
@@ -54,8 +54,12 @@ CAPTIONS = {
     "saturation_truncation": "loss increase when the score form W_Q W_K^T is truncated to rank r (thin: one head; "
                              "thick: the whole layer; dotted: tolerance)",
     "saturation_logits": "attention-logit range (max - min) against context length, mean over heads",
-    "sharpness_spectrum": "Hessian spectral density (stochastic Lanczos quadrature, log scale) with the extreme "
-                          "eigenvalues from Lanczos marked (dotted: not converged)",
+    "sharpness_blocks": "per block (rows: tensor kind, or the whole layer; columns: layer): the largest eigenvalue "
+                        "(Lanczos; * not converged) and the trace (Hutchinson-type estimate) of the curvature "
+                        "operator restricted to that block's parameters; grey –: no such block",
+    "sharpness_spectrum": "spectral density of the curvature operator the title names (stochastic Lanczos "
+                          "quadrature, log scale) with the extreme eigenvalues from Lanczos marked (dotted: not "
+                          "converged)",
     "sharpness_slice": "loss along filter-normalised random directions through the trained weights (1-D slice; "
                        "2-D: contours on the plane of two directions, + = the trained weights)",
     "sharpness_layers": "per layer: largest and smallest eigenvalue of the Hessian restricted to that layer's "
@@ -258,8 +262,8 @@ def layers_section(reports: list[dict]) -> str:
 
 def per_layer_section(report: dict) -> str:
     """The table of ``cemtool sharpness --per-layer``: λ_max and tr(H) of each layer's Hessian block."""
-    operator = (report.get("options") or {}).get("operator", "hessian")
-    A, blocks = SYMBOLS.get(operator, "A"), report.get("blocks", "layer")
+    operator = (report.get("options") or {}).get("operator", DEFAULT_OPERATOR)
+    A, blocks = symbol(operator), report.get("blocks", "layer")
     rows = [{"block": r.get("block") or r["layer"], "parameters": _int(r.get("n_params")),
              "λ_max": "-" if r.get("lambda_max") is None else
              fmt(r["lambda_max"]) + ("" if r.get("lambda_max_converged") else " (not converged)"),
@@ -268,7 +272,7 @@ def per_layer_section(report: dict) -> str:
             for r in report["layers"]]
     what = ("each layer's parameters (`cemtool sharpness --per-layer`)" if blocks == "layer" else
             f"each parameter block (`cemtool sharpness --blocks {blocks}`)")
-    return (f"{OPERATOR_NAMES.get(operator, operator).capitalize()} restricted to {what}, "
+    return (f"{title(operator).capitalize()} restricted to {what}, "
             f"{_int(report.get('tokens'))} tokens.\n\n" + markdown_table(rows))
 
 

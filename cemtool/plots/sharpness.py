@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, title
 from cemtool.plots.style import CURVATURE, arch_color, legend_below, log_ticks, new_figure, save
 
 
@@ -17,7 +18,8 @@ def _title(report: dict, what: str) -> str:
 
 
 def plot_spectrum(report: dict, plots_dir: str | Path, name: str = "sharpness_spectrum") -> list[Path]:
-    """SLQ density of the Hessian spectrum (log scale) with the Lanczos extreme eigenvalues marked."""
+    """SLQ density of the operator's spectrum (log scale; the Hessian unless the report names another) with the
+    Lanczos extreme eigenvalues marked."""
     dens, eig = report.get("density"), report.get("eigen")
     if not dens and not eig:
         return []
@@ -37,11 +39,12 @@ def plot_spectrum(report: dict, plots_dir: str | Path, name: str = "sharpness_sp
         for i, v in enumerate(eig.get("bottom", [])):
             ax.axvline(v, color="black", lw=0.8, ls="-" if eig["bottom_converged"][i] else ":",
                        label="bottom eigenvalues (Lanczos)" if i == 0 else None)
-    ax.set_xlabel(f"eigenvalue of the Hessian ({CURVATURE})")
+    what = title((report.get("options") or {}).get("operator", DEFAULT_OPERATOR))
+    ax.set_xlabel(f"eigenvalue of {what} ({CURVATURE})")
     ax.set_ylabel("density (per unit eigenvalue)")
     if dens:
         log_ticks(ax)
-    ax.set_title(_title(report, "Hessian spectrum"), fontsize=9)
+    ax.set_title(_title(report, f"spectrum of {what}"), fontsize=9)
     if eig and not all(eig.get("top_converged", []) + eig.get("bottom_converged", [])):
         ax.plot([], [], color="grey", lw=0.8, ls=":", label="dotted: Lanczos not converged")
     legend_below(fig, *ax.get_legend_handles_labels(), fontsize=7, most=2, frameon=False)  # never on a curve

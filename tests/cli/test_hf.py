@@ -203,7 +203,7 @@ def test_every_operator_of_a_tiny_hf_model_matches_its_dense_matrix(tmp_path, wo
     from cemtool.analysis.lanczos import lanczos
     from cemtool.analysis.trace import hutch_plus_plus
 
-    from kit import dense_curvature
+    from kit import dense_curvature, own_options
 
     ids = dict(vocab_size=len(WORDS), bos_token_id=0, eos_token_id=0, pad_token_id=0)
     cfg = transformers.GPT2Config(n_embd=2, n_layer=1, n_head=1, n_positions=16, **ids) if family == "gpt2" else \
@@ -211,7 +211,8 @@ def test_every_operator_of_a_tiny_hf_model_matches_its_dense_matrix(tmp_path, wo
                                  intermediate_size=2, max_position_embeddings=16, tie_word_embeddings=True, **ids)
     loaded = open_subject(save_tiny(tmp_path / family, cfg, word_tokenizer(WORDS)), data=word_text)
     x, y = loaded.eval_set(32)  # 2 windows of 16 tokens
-    with make_operator(operator, loaded.model, x, y, dtype="fp64", mc_samples=2, seed=3) as op:
+    with make_operator(operator, loaded.model, x, y, dtype="fp64",
+                       **own_options(operator, mc_samples=2, seed=3)) as op:
         assert op.n <= 3000
         A = dense_curvature(operator, loaded.model, x, y, labels=torch.cat(op.labels) if operator == "fisher" else None)
         eig = lanczos(op, 3, 1, max_steps=op.n, tol=1e-10)

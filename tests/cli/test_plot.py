@@ -667,3 +667,59 @@ def test_text_run_report_describes_only_what_exists(tiny_run, tmp_path):
     caption = next(line for line in md.splitlines() if line.startswith("*training:"))
     assert "floor" not in caption, caption  # a text corpus has no floor line
     assert "| floor |" not in md and "| gap |" not in md
+
+
+def block_report(n_layer: int = 12, operator: str = "ggn") -> dict:
+    """A hand-made `sharpness --blocks kind` report: λ_max = 10 * layer + kind index + 1 (so every cell is known),
+    the trace negative in layer 0's q block (a Hessian's blocks can be), layer 3's v block not converged."""
+    kinds = ["q", "k", "v", "o", "mlp-in", "mlp-out", "norm"]
+    rows = [{"layer": layer, "kind": kind, "block": f"layer {layer}: {kind}", "n_params": 64,
+             "lambda_max": 10.0 * layer + i + 1, "lambda_max_converged": not (layer == 3 and kind == "v"),
+             "trace": -5.0 if (layer, kind) == (0, "q") else 100.0 * (layer + 1) + i, "trace_se": 1.0}
+            for layer in range(n_layer) for i, kind in enumerate(kinds)]
+    rows += [{"layer": None, "kind": "embed", "block": "outside layers: embed", "n_params": 512,
+              "lambda_max": 0.5, "lambda_max_converged": True, "trace": 7.0, "trace_se": 0.1}]
+    return {"layers": rows, "blocks": "kind", "tokens": 2048, "options": {"operator": operator},
+            "provenance": {"analysis": "sharpness_per_layer", "arch": "baseline"}}
+
+
+def test_block_heat_map_cells_are_the_report_and_readable_at_12_layers(drawn, tmp_path):
+    from matplotlib.colors import LogNorm, SymLogNorm
+
+    from cemtool.plots.blocks import OUTSIDE, block_grid, plot_blocks
+    from cemtool.plots.render import PLOTTERS
+    from cemtool.report import report_kind
+
+    rep = block_report()
+    kinds, cols, lam, ok = block_grid(rep, "lambda_max")
+    assert kinds == ["q", "k", "v", "o", "mlp-in", "mlp-out", "norm", "embed"]
+    assert cols == [str(i) for i in range(12)] + [OUTSIDE]
+    for r in rep["layers"]:
+        j = cols.index(OUTSIDE if r["layer"] is None else str(r["layer"]))
+        assert lam[kinds.index(r["kind"]), j] == r["lambda_max"]
+    assert np.isnan(lam[kinds.index("embed"), 0]) and np.isnan(lam[0, cols.index(OUTSIDE)])  # no such block
+    assert not ok[kinds.index("v"), 3] and ok.sum() == ok.size - 1
+
+    figs = drawn(plot_blocks, rep, tmp_path, "sharpness-blocks-kind_blocks")
+    fig = figs["sharpness-blocks-kind_blocks"]
+    lam_ax, tr_ax = [a for a in fig.axes if a.get_images()]
+    assert isinstance(lam_ax.get_images()[0].norm, LogNorm)  # all positive: log colours
+    assert isinstance(tr_ax.get_images()[0].norm, SymLogNorm)  # a negative trace: symmetric log
+    assert "generalised Gauss-Newton" in lam_ax.get_title() and "* not converged" in lam_ax.get_title()
+    texts = {(round(t.get_position()[0]), round(t.get_position()[1])): t.get_text() for t in lam_ax.texts}
+    assert texts[(3, kinds.index("v"))] == "33*" and texts[(11, kinds.index("norm"))] == "117"
+    assert texts[(0, kinds.index("embed"))] == "–"
+    assert not overlapping_ticks(lam_ax) and not overlapping_ticks(tr_ax)
+    # every cell's label fits inside its cell (readable, not overprinted)
+    for ax in (lam_ax, tr_ax):
+        to_px = ax.transData.transform
+        cell_w = abs(to_px((1, 0))[0] - to_px((0, 0))[0])
+        cell_h = abs(to_px((0, 1))[1] - to_px((0, 0))[1])
+        for t in ax.texts:
+            box = t.get_window_extent()
+            assert box.width < cell_w and box.height < cell_h, (t.get_text(), box.width, cell_w)
+    # the per-layer report kind draws it (any name; the Hessian's too)
+    plot = PLOTTERS[report_kind("sharpness-ggn-per-layer", rep)]
+    paths = plot(block_report(4, "hessian"), tmp_path, "sharpness-per-layer")
+    assert [p.name for p in paths] == ["sharpness-per-layer_blocks.png", "sharpness-per-layer_blocks.svg"]
+    assert caption(paths[0]).startswith("per block")

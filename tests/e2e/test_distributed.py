@@ -27,7 +27,7 @@ from cemtool.analysis.collapse import ProbeClasses, collapse_report
 from cemtool.analysis.saturation import rank_truncation
 from cemtool.analysis.sharpness import SharpnessOptions, measure_sharpness
 from cemtool.config import replace, resolve
-from cemtool.analysis.curvature.operators import make_operator
+from cemtool.analysis.curvature.operators import OPERATORS, make_operator
 from cemtool.analysis.lanczos import lanczos
 from cemtool.analysis.trace import xtrace
 from cemtool.distributed import init_distributed
@@ -62,7 +62,8 @@ def measure(die: bool = False) -> dict:
     sat = rank_truncation(model, x, y, ranks=[0, 2, 4], basis="data", batch_size=2, per_head=True)
     ops = {}
     for name in ("ggn", "ef", "fisher"):  # every other operator: 4 Lanczos steps and a 4-product trace
-        with make_operator(name, model, x, y, dtype="fp64", batch_size=2, mc_samples=2, seed=3) as op:
+        with make_operator(name, model, x, y, dtype="fp64", batch_size=2,
+                           **{k: v for k, v in dict(mc_samples=2, seed=3).items() if k in OPERATORS[name].takes}) as op:
             eig = lanczos(op, 1, 1, max_steps=4, seed=1)
             ops[f"op_{name}"] = [*eig.top, *eig.bottom, xtrace(op, 4, seed=2).trace]
     return {**ops, "loss": rep.loss, "grad_norm": rep.grad_norm, "top": rep.eigen.top, "bottom": rep.eigen.bottom,

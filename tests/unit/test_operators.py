@@ -14,7 +14,7 @@ from cemtool.analysis.lanczos import lanczos
 from cemtool.analysis.trace import xtrace
 from cemtool.errors import CemtoolError
 
-from kit import dense_curvature, dense_jacobian, tiny_model, tiny_tokens
+from kit import dense_curvature, dense_jacobian, own_options, tiny_model, tiny_tokens
 
 V, T = 12, 6
 
@@ -111,7 +111,7 @@ def test_every_operator_of_four_families_against_its_dense_matrix(arch, name):
     1e-8 of the spectrum's scale; the GGN and the Fishers are PSD (>= -1e-10 λ_max), the Hessian is not."""
     model = tiny_model(arch, d_model=8, n_layer=1, n_head=1, mlp_hidden=8, vocab=8, seq_len=4)
     x, y = tiny_tokens(2, 4, 8, seed=2)
-    with make_operator(name, model, x, y, dtype="fp64", mc_samples=2, seed=4) as op:
+    with make_operator(name, model, x, y, dtype="fp64", **own_options(name, mc_samples=2, seed=4)) as op:
         A = dense_curvature(name, model, x, y, labels=torch.cat(op.labels) if name == "fisher" else None)
         assert A.shape == (op.n, op.n) and op.n <= 3000
         ours = dense(op)  # (n, n)
@@ -141,7 +141,14 @@ def test_bad_operator_requests_are_one_clear_error(problem):
     model, x, y, _, _ = problem
     with pytest.raises(CemtoolError, match="unknown curvature operator"):
         make_operator("gauss", model, x, y)
-    with pytest.raises(CemtoolError, match="Hessian product"):
+    with pytest.raises(CemtoolError, match="--hvp fd sets a Hessian product method; the ggn operator does not"):
         make_operator("ggn", model, x, y, dtype="fp64", hvp="fd")
     with pytest.raises(CemtoolError, match="mc_samples"):
         make_operator("fisher", model, x, y, mc_samples=0)
+    with pytest.raises(CemtoolError, match="--mc-samples 3 sets the Monte-Carlo Fisher's label draws"):
+        make_operator("hessian", model, x, y, dtype="fp64", mc_samples=3)
+    # another operator's resource hints are not a request: dropped (the Hessian's graph budget, the Fisher's seed)
+    with make_operator("ggn", model, x, y, dtype="fp64", keep_graph=False, graph_budget=0, seed=5) as op:
+        assert op.psd and not hasattr(op, "keep_graph")
+    with make_operator("hessian", model, x, y, dtype="fp64", mc_samples=1, seed=5) as op:
+        assert not op.psd and op.hvp_method == "exact"

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 import torch.nn.functional as F
 
-from cemtool.analysis.curvature import OPERATOR_NAMES, SYMBOLS
+from cemtool.analysis.curvature import CARDS, OperatorCard, card, check_operator_options
 from cemtool.analysis.curvature.risk import EmpiricalRisk, resolve_dtype
 from cemtool.distributed import all_reduce_sum
 from cemtool.errors import CemtoolError
@@ -44,7 +44,24 @@ def draw_seed(seed: int, sequence: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{sequence}".encode(), digest_size=4).digest(), "little")
 
 
-class Hessian(EmpiricalRisk):
+class Operator(EmpiricalRisk, ABC):
+    """A curvature operator of the empirical risk: the risk's batches, subset and dtype plus a product
+    :meth:`matvec` (cemtool.analysis.curvature.protocol). ``card`` says what it is by name (cemtool.analysis.curvature);
+    ``takes``: the keyword options of its constructor beyond EmpiricalRisk's (make_operator passes only these)."""
+
+    card: OperatorCard
+    takes: tuple[str, ...] = ()
+
+    @property
+    def psd(self) -> bool:
+        return self.card.psd
+
+    @abstractmethod
+    def matvec(self, v: torch.Tensor) -> torch.Tensor:
+        """A v for a flat (n,) vector, flat (n,) float64, summed over the batches and the ranks."""
+
+
+class Hessian(Operator):
     """The Hessian H = ∇²L of the empirical risk (indefinite away from a minimum).
 
     ``hvp``: how H v is computed [decision: measured, docs/performance.md]. 'exact' (default): reverse over reverse,
@@ -58,7 +75,8 @@ class Hessian(EmpiricalRisk):
     memory; True: all; False: none). Kept graphs are the only memory that grows with N (up to that budget).
     """
 
-    name = "hessian"
+    card = CARDS["hessian"]
+    takes = ("hvp", "keep_graph", "graph_budget")
 
     def __init__(self, model, x, y, *, hvp: str = "exact", keep_graph: bool | str = "auto",
                  graph_budget: int | None = None, **kw):
@@ -157,21 +175,13 @@ class Hessian(EmpiricalRisk):
         return (grads[0] - grads[1]) / (2.0 * h)
 
 
-class JacobianOperator(EmpiricalRisk, ABC):
+class JacobianOperator(Operator):
     """Jᵀ M J for the Jacobian J of a per-token output f of the model (subclasses: :meth:`outputs`, :meth:`middle`)
-    and the token-mean cross entropy of the evaluation set."""
+    and the token-mean cross entropy of the evaluation set. A Jacobian product keeps no graph between products."""
 
-    name = "jacobian"
-
-    def __init__(self, model, x, y, *, hvp: str = "exact", keep_graph: bool | str = "auto",
-                 graph_budget: int | None = None, **kw):
-        """``hvp``, ``keep_graph``, ``graph_budget``: the Hessian's options, accepted so that one call builds any
-        operator; a Jacobian product keeps no graph between products, and any ``hvp`` but 'exact' is refused."""
-        if hvp != "exact":
-            raise CemtoolError(f"--hvp {hvp} is a Hessian product; the {self.name} operator has its own",
-                               hint="drop --hvp, or use --operator hessian")
+    def __init__(self, model, x, y, **kw):
         if kw.get("loss_fn", lm_loss) is not lm_loss:
-            raise CemtoolError(f"the {self.name} operator is defined for the next-token cross entropy only")
+            raise CemtoolError(f"the {self.card.name} operator is defined for the next-token cross entropy only")
         super().__init__(model, x, y, **kw)
 
     @abstractmethod
@@ -204,7 +214,7 @@ class JacobianOperator(EmpiricalRisk, ABC):
 class GGN(JacobianOperator):
     """The generalised Gauss-Newton of the token-mean cross entropy over the logits (PSD)."""
 
-    name = "ggn"
+    card = CARDS["ggn"]
 
     def outputs(self, b, logits):
         return logits  # (B, T, V)
@@ -217,7 +227,7 @@ class GGN(JacobianOperator):
 class EmpiricalFisher(JacobianOperator):
     """The empirical Fisher: the token mean of g_t g_tᵀ at the observed labels."""
 
-    name = "ef"
+    card = CARDS["ef"]
 
     def outputs(self, b, logits):
         yb = self.batches[b][1].to(self.device)
@@ -230,7 +240,8 @@ class EmpiricalFisher(JacobianOperator):
 class MCFisher(JacobianOperator):
     """The Monte-Carlo Fisher: g gᵀ at labels sampled from the model, ``mc_samples`` draws per token, seeded."""
 
-    name = "fisher"
+    card = CARDS["fisher"]
+    takes = ("mc_samples", "seed")
 
     def __init__(self, model, x, y, *, mc_samples: int = 1, seed: int = 0, **kw):
         if not (isinstance(mc_samples, int) and mc_samples >= 1):
@@ -276,24 +287,47 @@ def check_hvp_method(method: str, dtype: torch.dtype) -> None:
                            "keep only about 3 digits of the step", hint="add --dtype fp64, or use --hvp exact")
 
 
-OPERATORS: dict[str, type[EmpiricalRisk]] = {"hessian": Hessian, "ggn": GGN, "ef": EmpiricalFisher, "fisher": MCFisher}
-PSD = {"ggn", "ef", "fisher"}  # positive semi-definite by construction
-assert OPERATORS.keys() == OPERATOR_NAMES.keys() == SYMBOLS.keys()  # one list of operators
+OPERATORS: dict[str, type[Operator]] = {}  # the registry: name -> class (its card: CARDS[name])
+
+
+def register_operator(cls: type[Operator]) -> type[Operator]:
+    """Register an operator class under its card's name (its card joins CARDS, so the CLI, reports, compare and
+    plots know it); usable as a class decorator. Re-registering a name replaces it."""
+    if not (isinstance(cls, type) and issubclass(cls, Operator) and isinstance(getattr(cls, "card", None),
+                                                                          OperatorCard)):
+        raise CemtoolError(f"{cls!r} is not an Operator subclass with a card")
+    CARDS[cls.card.name] = cls.card
+    OPERATORS[cls.card.name] = cls
+    return cls
+
+
+for _cls in (Hessian, GGN, EmpiricalFisher, MCFisher):
+    register_operator(_cls)
 
 
 def check_operator(name: str) -> None:
-    if name not in OPERATORS:
-        raise CemtoolError(f"unknown curvature operator {name!r}", hint=f"use {', '.join(OPERATORS)}")
+    card(name)
+    if name not in OPERATORS:  # a card without a class: a report of an operator this install does not have
+        raise CemtoolError(f"the {name} operator is not available here", hint=f"use {', '.join(OPERATORS)}")
 
 
-def make_operator(name: str, model, x, y, *, mc_samples: int = 1, seed: int = 0, **kw) -> EmpiricalRisk:
-    """The operator ``name`` of ``model`` on the evaluation set (x, y) (keywords: those of EmpiricalRisk and the
-    Hessian's; the Monte-Carlo Fisher also takes ``mc_samples`` and ``seed``)."""
+# options every operator is given by make_operator's callers that only some use: dropped for the others (they
+# change resources or draws, not what is computed); a semantic option (CARDS' options) is refused instead
+RESOURCE_HINTS = ("keep_graph", "graph_budget", "seed")
+
+
+def make_operator(name: str, model, x, y, **kw) -> Operator:
+    """The operator ``name`` of ``model`` on the evaluation set (x, y). Keywords: EmpiricalRisk's, and each
+    operator's own (``takes``: the Hessian's ``hvp``, ``keep_graph``, ``graph_budget``; the Monte-Carlo Fisher's
+    ``mc_samples``, ``seed``). Another operator's resource hints are dropped; its semantic options at a value other
+    than their default are refused (cemtool.analysis.curvature.check_operator_options)."""
     check_operator(name)
-    if name == "fisher":
-        return MCFisher(model, x, y, mc_samples=mc_samples, seed=seed, **kw)
-    return OPERATORS[name](model, x, y, **kw)
+    cls = OPERATORS[name]
+    foreign = {k: v for k, v in kw.items() if k not in cls.takes and any(k in c.takes for c in OPERATORS.values())}
+    check_operator_options(name, **{k: v for k, v in foreign.items() if k not in RESOURCE_HINTS})
+    return cls(model, x, y, **{k: v for k, v in kw.items() if k not in foreign})
 
 
-__all__ = ["FD_STEP", "GGN", "HVP_METHODS", "OPERATORS", "PSD", "EmpiricalFisher", "Hessian", "JacobianOperator",
-           "MCFisher", "check_hvp_method", "check_operator", "make_operator"]
+__all__ = ["FD_STEP", "GGN", "HVP_METHODS", "OPERATORS", "RESOURCE_HINTS", "EmpiricalFisher", "Hessian",
+           "JacobianOperator", "MCFisher", "Operator", "check_hvp_method", "check_operator", "make_operator",
+           "register_operator"]
