@@ -87,7 +87,7 @@ from pathlib import Path
 
 from cemtool.analysis.compute import run_compute
 from cemtool.analysis.curvature import DEFAULT_OPERATOR, title
-from cemtool.analysis.run_records import METRICS, NAMED, collect, settings_mismatch
+from cemtool.analysis.run_records import METRICS, NAMED, collect, metric_labels, settings_mismatch
 from cemtool.analysis.stats import spearman, summary, welch
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.report import (
@@ -194,7 +194,8 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
     return {"provenance": provenance(None, analysis="compare", runs=[r["run"] for r in records]),
             "inputs": [str(p) for p in paths], "target": next(iter(targets), None), "level": level,
             "at_tokens": at_tokens,
-            "metrics": METRICS, "reports": chosen, "runs": records, "archs": archs, "correlations": correlations,
+            "curvature_operator": next(iter(operators), None), "metrics": metric_labels(next(iter(operators), None)),
+            "reports": chosen, "runs": records, "archs": archs, "correlations": correlations,
             "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "mismatch": mismatch,
             "notes": notes}
 
@@ -289,12 +290,13 @@ def arch_table(payload: dict, transpose: bool = False) -> tuple[list[str], list[
     metric, one column per architecture, which fits a terminal better)."""
     # a metric an older compare.json lacks (e.g. val_bpb before bits per byte were recorded) is simply absent
     present = [m for m in METRICS if any(a.get(m) is not None for a in payload["archs"])]
+    names = {**METRICS, **(payload.get("metrics") or {})}  # the operator's symbol in the trace columns
     if transpose:
         cols = ["", *[a["label"] for a in payload["archs"]]]
         rows = [["runs", *[runs_cell(a) for a in payload["archs"]]]]
-        rows += [[METRICS[m], *[cell(a.get(m)) for a in payload["archs"]]] for m in present]
+        rows += [[names[m], *[cell(a.get(m)) for a in payload["archs"]]] for m in present]
         return cols, rows
-    cols = ["arch", "n", *[METRICS[m] for m in present]]
+    cols = ["arch", "n", *[names[m] for m in present]]
     rows = [[a["label"], runs_cell(a), *[cell(a.get(m)) for m in present]] for a in payload["archs"]]
     return cols, rows
 

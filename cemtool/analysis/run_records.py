@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from cemtool.analysis.compute import run_compute
-from cemtool.analysis.curvature import DEFAULT_OPERATOR
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, symbol
 from cemtool.config import to_dict
 from cemtool.errors import CemtoolError, did_you_mean
 from cemtool.fileio import read_json
@@ -25,6 +25,15 @@ METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val p
            "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
            "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "trace": "tr(H)", "forgetting": "forgetting",
            "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
+
+
+def metric_labels(operator: str | None = None) -> dict[str, str]:
+    """METRICS' labels with the curvature operator's symbol in the trace columns (tr(G)/n for a GGN comparison):
+    a comparison's columns say which operator they hold."""
+    A = symbol(operator or DEFAULT_OPERATOR)
+    return {k: v.replace("(H)", f"({A})") for k, v in METRICS.items()}
+
+
 NAMED = ("sharpness", "collapse")  # analyses whose report is chosen by name (``names``); forgetting: by target
 
 

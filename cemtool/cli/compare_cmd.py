@@ -40,12 +40,13 @@ def print_compare(payload: dict) -> None:
     if rows:
         console.table(f"per layer, from the collapse reports ({SPREAD}; per-layer differences with intervals in "
                       f"compare.md)", cols, rows)
-    corr = [[f"{METRICS[c['x']]} vs {METRICS[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
+    names = {**METRICS, **(payload.get("metrics") or {})}  # tr(G)/n for a GGN comparison
+    corr = [[f"{names[c['x']]} vs {names[c['y']]}", _num(c["rho"]), _num(c["p"]), c["p_method"] or "",
              str(c["n"]), c["note"] or ""] for c in payload["correlations"]]
     console.table("Spearman rank correlation across runs", ["pair", "rho", "p", "p from", "n", "note"], corr)
     if payload["pairwise"]:
         level = f"{payload['level']:.0%}"
-        pairs = [[METRICS[p["metric"]], f"{p['a']} - {p['b']}", _num(p["diff"]),
+        pairs = [[names[p["metric"]], f"{p['a']} - {p['b']}", _num(p["diff"]),
                   "" if p["lo"] is None else f"[{_num(p['lo'])}, {_num(p['hi'])}]", _num(p["p"]),
                   f"{p['n_a']}/{p['n_b']}", p["note"] or ""] for p in payload["pairwise"]]
         console.table(f"pairwise differences (Welch t {level} intervals over seeds)",

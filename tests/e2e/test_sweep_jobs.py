@@ -156,3 +156,27 @@ def test_bad_jobs_is_a_usage_error(tmp_path):
     res = subprocess.run(sweep_cmd(tmp_path / "s", "--jobs", "0"), env=ENV, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 2 and "--jobs" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_sweep_measures_the_operator_it_is_told(tmp_path):
+    """`sweep -A sharpness.operator=ggn`: each item's sharpness report is of the GGN (recorded in its options, PSD
+    verdict), and the study's comparison names the operator beside its curvature columns."""
+    out = tmp_path / "study"
+    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", "baseline", "--seeds", "0", "--tokens",
+            str(TOKENS), "--analyses", "sharpness", "-A", "sharpness.operator=ggn", "-A", "sharpness.tokens=128",
+            "-A", "sharpness.top_k=1", "-A", "sharpness.bottom_k=0", "-A", "sharpness.lanczos_steps=8",
+            "-A", "sharpness.trace_hvps=4", "-A", "sharpness.density_runs=0", "-A", "sharpness.landscape=none",
+            "--out", str(out), "--device", "cpu", *set_args(*TINY)]
+    res = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    reps = list(out.rglob("reports/sharpness*.json"))
+    assert len(reps) == 1, reps
+    rep = json.loads(reps[0].read_text())
+    assert rep["options"]["operator"] == "ggn" and rep["eigen"]["top"][0] > 0
+    res = subprocess.run([sys.executable, "-m", "cemtool", "compare", str(out)], env=ENV, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    compare = json.loads((out / "reports" / "compare.json").read_text())
+    assert compare["curvature_operator"] == "ggn" and compare["metrics"]["trace_per_param"] == "tr(G)/n"
+    assert "tr(G)/n vs forgetting" in res.stdout and "tr(H)" not in res.stdout  # no Hessian label on a GGN
+    assert "of the ggn operator" in res.stdout
