@@ -62,7 +62,7 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                 "non_embedding",
                 "flops_per_token", "total_flops", "lambda_max", "lambda_min", "lambda_converged",
                 "trace_per_param", "trace_per_param_se", "trace", "trace_se", "curvature_n", "curvature_operator",
-                "standing", "grad_norm", "sharpness_tokens", "value_entropy", "separability",
+                "standing", "grad_norm", "sharpness_tokens", "asam", "sam", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
                 "forgetting_run", "layers": [{"layer", "value_entropy", "separability"}],
                 "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null},
@@ -72,8 +72,9 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                  "<metric>": {"mean", "std", "n"} | null, ...,
                  "layers": [{"layer", "value_entropy": {"mean", "std", "n"} | null, "separability": ...}]}],
       "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note"}],
-      "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
-      "pairwise_layers": [{"metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b", "note"}],
+      "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "p_holm", "mde", "n_a", "n_b", "note"}],
+      "pairwise_layers": [{"metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "mde", "n_a", "n_b",
+                           "note"}],
       "missing": {"sharpness": [run], "collapse": [run], "forgetting": [run]},
       "mismatch": {"sharpness" | "collapse": {option: {value as JSON: [run name]}}},
       "notes": [str]
@@ -88,7 +89,7 @@ from pathlib import Path
 from cemtool.analysis.compute import run_compute
 from cemtool.analysis.curvature import DEFAULT_OPERATOR, title
 from cemtool.analysis.run_records import METRICS, NAMED, collect, metric_labels, settings_mismatch
-from cemtool.analysis.stats import spearman, summary, welch
+from cemtool.analysis.stats import holm, spearman, summary, welch
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.report import (
     SPREAD,
@@ -186,7 +187,8 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
         correlations.append({"x": x, "y": y, **spearman([p[0] for p in pairs], [p[1] for p in pairs])})
     by_label = {label: [r for r in records if r["label"] == label] for label in labels}
     pairwise = [{"metric": m, **p} for m in PAIRWISE
-                for p in _pairs(labels, lambda g, m=m: [r[m] for r in by_label[g] if r[m] is not None], level)]
+                for p in _with_holm(_pairs(labels, lambda g, m=m: [r[m] for r in by_label[g] if r[m] is not None],
+                                           level))]
     pairwise_layers = [{"metric": m, "layer": layer, **p} for m in LAYER_METRICS for layer in _layer_ids(records)
                        for p in _pairs(labels, lambda g, m=m, layer=layer: _layer_values(by_label[g], layer, m),
                                        level)]
@@ -251,6 +253,15 @@ def _pairs(labels: list[str], values_of, level: float) -> list[dict]:
         if va and vb:
             out.append({"a": a, "b": b, **welch(va, vb, level)})
     return out
+
+
+def _with_holm(pairs: list[dict]) -> list[dict]:
+    """Each pair with ``p_holm``: Holm's adjustment over the family of one metric's differences (every pair of
+    architectures) [decision: the family is a metric, the question "does the architecture change this
+    measure?"; docs/sweep.md]."""
+    for p, adj in zip(pairs, holm([p["p"] for p in pairs]), strict=True):
+        p["p_holm"] = adj
+    return pairs
 
 
 def _layer_ids(records: list[dict]) -> list[int]:
@@ -376,8 +387,8 @@ def markdown(payload: dict) -> str:
                             "n": c["n"], "note": c["note"] or ""} for c in payload["correlations"]])]
     if payload["pairwise"]:
         md += [f"## Pairwise differences (a - b, Welch t {payload['level']:.0%} intervals)", "",
-               markdown_table([{k: p[k] for k in ("metric", "a", "b", "diff", "lo", "hi", "df", "p", "n_a", "n_b")}
-                               for p in payload["pairwise"]])]
+               markdown_table([{k: p.get(k) for k in ("metric", "a", "b", "diff", "lo", "hi", "df", "p", "p_holm",
+                                                      "mde", "n_a", "n_b")} for p in payload["pairwise"]])]
     layer_cols, layer_rows = layer_table(payload)
     if layer_rows:
         md += [f"## Per layer (collapse report; {SPREAD})", "",

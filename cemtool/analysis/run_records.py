@@ -23,7 +23,8 @@ from cemtool.sweep import read_manifest  # validated whole: a hand-edited study 
 
 METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val perplexity", "params": "params",
            "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
-           "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "trace": "tr(H)", "forgetting": "forgetting",
+           "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "trace": "tr(H)",
+           "asam": "adaptive sharpness (ASAM, scale-invariant)", "sam": "SAM sharpness", "forgetting": "forgetting",
            "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
 
 
@@ -54,7 +55,19 @@ def sharpness_fields(report: dict) -> dict:
             "trace": t.get("trace"), "trace_se": t.get("se"), "curvature_n": report.get("n_params"),
             "curvature_operator": (report.get("options") or {}).get("operator", DEFAULT_OPERATOR),  # older reports: H
             "standing": (report.get("standing") or {}).get("verdict"), "grad_norm": report.get("grad_norm"),
-            "sharpness_tokens": report.get("tokens")}
+            "sharpness_tokens": report.get("tokens"), **_worst_case(report)}
+
+
+def _worst_case(report: dict) -> dict:
+    """The adaptive (ASAM: the perturbation scaled by |w|, invariant to rescaling a layer's weights) and plain SAM
+    sharpness of a report (nats: perturbed loss - loss; the first of each kind), null when not measured: beside the
+    trace in a comparison, because tr/n and λ_max change under reparameterisations that leave the function alone
+    (Dinh et al. 2017) and ASAM does not."""
+    out = {"asam": None, "sam": None}
+    for s in report.get("sharpness") or []:
+        if isinstance(s, dict) and s.get("kind") in out and out[s["kind"]] is None:
+            out[s["kind"]] = s.get("value")
+    return out
 
 
 def collapse_fields(report: dict) -> dict:

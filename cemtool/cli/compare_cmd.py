@@ -48,9 +48,11 @@ def print_compare(payload: dict) -> None:
         level = f"{payload['level']:.0%}"
         pairs = [[names[p["metric"]], f"{p['a']} - {p['b']}", _num(p["diff"]),
                   "" if p["lo"] is None else f"[{_num(p['lo'])}, {_num(p['hi'])}]", _num(p["p"]),
-                  f"{p['n_a']}/{p['n_b']}", p["note"] or ""] for p in payload["pairwise"]]
-        console.table(f"pairwise differences (Welch t {level} intervals over seeds)",
-                      ["metric", "a - b", "diff", f"{level} CI", "p", "n", "note"], pairs)
+                  _num(p.get("p_holm")), _num(p.get("mde")), f"{p['n_a']}/{p['n_b']}", p["note"] or ""]
+                 for p in payload["pairwise"]]
+        console.table(f"pairwise differences (Welch t {level} intervals over seeds; p Holm: adjusted over the "
+                      f"metric's pairs; MDE: 80%-power detectable difference where the interval holds 0)",
+                      ["metric", "a - b", "diff", f"{level} CI", "p", "p Holm", "MDE", "n", "note"], pairs)
     print_notes(payload)
 
 

@@ -60,7 +60,8 @@ def test_welch_interval_formula():
     assert (r["lo"], r["hi"]) == (pytest.approx(d - half), pytest.approx(d + half))
     assert welch([1.0], [2.0, 3.0])["lo"] is None
     assert welch([1.0, 1.0], [0.5, 0.5]) | {"note": None} == {"diff": 0.5, "lo": 0.5, "hi": 0.5, "df": None,
-                                                              "p": None, "n_a": 2, "n_b": 2, "note": None}
+                                                              "p": None, "n_a": 2, "n_b": 2, "note": None,
+                                                              "mde": None}
 
 
 def test_welch_interval_covers_the_true_difference():
@@ -73,6 +74,47 @@ def test_welch_interval_covers_the_true_difference():
         r = welch(list(a), list(b))
         hits += r["lo"] <= 0.7 <= r["hi"]
     assert abs(hits / 2000 - 0.95) < 3 * math.sqrt(0.95 * 0.05 / 2000)
+
+
+def test_holm_against_a_hand_computation_and_the_family_wise_error_rate():
+    from cemtool.analysis.stats import holm
+
+    # sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 -> monotone 0.02, 0.03, 0.06, 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.01, None, 0.02]) == [pytest.approx(0.02), None, pytest.approx(0.02)]  # untested: not in the family
+    assert holm([0.9, 0.6]) == [1.0, 1.0] and holm([]) == []
+    # all nulls true: the chance that any adjusted p falls below 0.05 stays at or below 0.05 (Bonferroni would too;
+    # unadjusted it would be 1 - 0.95^6 = 0.26)
+    rng = np.random.default_rng(2)
+    hits = np.mean([min(holm(list(rng.uniform(size=6)))) < 0.05 for _ in range(4000)])
+    assert hits <= 0.05 + 3 * math.sqrt(0.05 * 0.95 / 4000)
+
+
+def test_minimum_detectable_effect_has_the_power_it_claims():
+    from cemtool.analysis.stats import welch_mde
+
+    # the textbook value: two groups of 10, SD 1, alpha 0.05 two-sided, 80% power -> d = 1.3249 (Cohen 1988)
+    assert welch_mde(1.0, 10, 1.0, 10) == pytest.approx(1.3249, abs=1e-4)
+    # exact on the noncentral t for unequal, small groups
+    for sd_a, n_a, sd_b, n_b in ((1.0, 2, 3.0, 2), (0.2, 3, 0.05, 5), (1.0, 5, 1.0, 5)):
+        va, vb = sd_a ** 2 / n_a, sd_b ** 2 / n_b
+        df = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1))
+        t_c, nc = stats.t.ppf(0.975, df), welch_mde(sd_a, n_a, sd_b, n_b) / math.sqrt(va + vb)
+        assert stats.nct.sf(t_c, df, nc) + stats.nct.cdf(-t_c, df, nc) == pytest.approx(0.8, abs=1e-8)
+    # simulated: a true difference of the MDE is detected by Welch's test about 80% of the time
+    rng = np.random.default_rng(3)
+    d = welch_mde(1.0, 8, 1.0, 8)
+    hits = np.mean([stats.ttest_ind(rng.normal(d, 1, 8), rng.normal(0, 1, 8), equal_var=False).pvalue < 0.05
+                    for _ in range(3000)])
+    assert abs(hits - 0.8) < 0.03
+    assert welch_mde(1.0, 1, 1.0, 5) is None and welch_mde(0.0, 3, 0.0, 3) == 0.0
+    with pytest.raises(ValueError):
+        welch_mde(1.0, 3, 1.0, 3, power=1.0)
+    # welch() reports it only beside an unresolved difference, at the interval's own level
+    r = welch([1.0, 1.3, 0.8], [1.1, 0.9, 1.2], 0.9)
+    assert r["lo"] < 0 < r["hi"] and r["mde"] == pytest.approx(
+        welch_mde(np.std([1.0, 1.3, 0.8], ddof=1), 3, np.std([1.1, 0.9, 1.2], ddof=1), 3, alpha=0.1))
+    assert welch([5.0, 5.1, 5.2], [1.0, 1.1, 1.2])["mde"] is None
 
 
 # ---------------------------------------------------------------------- synthetic reports
@@ -552,3 +594,24 @@ def test_operators_never_share_a_column_and_the_runs_standing_and_total_trace_ar
         (tmp_path / "r1" / "reports" / "sharpness-ggn.json").read_text())
     with pytest.raises(CemtoolError, match="different operators"):
         compare([tmp_path])
+
+
+def test_curvature_fields_name_their_operator_and_carry_the_scale_invariant_sharpness():
+    """A sharpness report's fields for compare: the adaptive (ASAM) and SAM sharpness beside the trace (the first
+    of each kind; null when not measured), and column labels with the operator's symbol."""
+    from cemtool.analysis.run_records import METRICS, metric_labels, sharpness_fields
+
+    rep = {"eigen": {"top": [3.0], "top_converged": [True]}, "traces": [{"trace": 12.0, "per_param": 0.5}],
+           "n_params": 24, "options": {"operator": "ggn"},
+           "sharpness": [{"kind": "sam", "value": 0.02}, {"kind": "asam", "value": 0.03},
+                         {"kind": "asam", "value": 9.0}, {"kind": "average", "value": 0.01}]}
+    f = sharpness_fields(rep)
+    assert (f["asam"], f["sam"], f["trace"], f["curvature_n"], f["curvature_operator"]) == (0.03, 0.02, 12.0, 24,
+                                                                                             "ggn")
+    assert sharpness_fields({"eigen": {}})["asam"] is None  # not measured: null, never 0
+    labels = metric_labels("ggn")
+    assert labels["trace_per_param"] == "tr(G)/n" and labels["trace"] == "tr(G)" and labels["asam"].startswith(
+        "adaptive sharpness")
+    assert metric_labels()["trace"] == "tr(H)" == METRICS["trace"]
+    keys = list(METRICS)
+    assert keys.index("trace") + 1 == keys.index("asam")  # named next to the trace
