@@ -188,7 +188,19 @@ class TrainConfig:
     ckpt_every: int = opt(0, "checkpoint every N steps (0 = at each evaluation)", min=0, max=10**9)
     keep_checkpoints: int = opt(2, "step checkpoints kept besides final (oldest deleted first)", min=1, max=10**6)
     precision: str = opt("auto", "auto = bf16 autocast on CUDA, fp32 elsewhere", choices=("auto", "fp32", "bf16"))
-    compile: bool = opt(False, "torch.compile the model")
+    compile: str = opt("auto", "torch.compile the model: auto = on CUDA (falls back to eager, with the reason, when "
+                               "compilation fails), eager elsewhere; true; false", choices=("auto", "true", "false"))
+    host_sync: str = opt("auto", "when the host reads the training loss (and checks it is finite): every step, or "
+                                 "only at log steps (no per-step device-to-host sync; a non-finite loss is caught at "
+                                 "the next log step); auto = log on CUDA, step elsewhere",
+                         choices=("auto", "step", "log"))
+    tokens_per_step: int = opt(0, "tokens per optimizer step: sets train.grad_accum to tokens_per_step / "
+                                  "(batch_size x data.seq_len), which must be a whole number (0 = use grad_accum)",
+                               min=0, max=10**12)
+    optimizer_impl: str = opt("auto", "AdamW's kernel: fused (one kernel over all parameters), foreach (batched "
+                                      "per-op) or loop (torch's per-parameter reference); auto = fused on CUDA, loop "
+                                      "elsewhere. Muon is torch's own (one Newton-Schulz per matrix)",
+                              choices=("auto", "fused", "foreach", "loop"))
     threads: int = opt(0, "CPU threads for torch (0 = torch's default)", min=0, max=4096)
     curvature_every: int = opt(0, "record the Hessian's λ_max (and the curvature_* options) in metrics.jsonl every N "
                                   "steps (0 = off)", min=0, max=10**9)
@@ -338,6 +350,8 @@ def from_dict(cls: type, data: dict, prefix: str = "") -> Any:
         if _is_section(tp):
             kwargs[name] = from_dict(tp, value, path + ".")
         else:
+            if tp is str and isinstance(value, bool) and "true" in (f.metadata.get("choices") or ()):
+                value = "true" if value else "false"  # an option that was a boolean once (train.compile)
             v = _coerce(path, value, tp)
             _check(path, v, f)
             kwargs[name] = v
@@ -490,7 +504,25 @@ def validate(cfg: RunConfig) -> RunConfig:
         raise ConfigError("train.curvature_params is empty", hint="use all, layer:N, attn, mlp, embed or a glob")
     if cfg.train.optimizer == "muon" and cfg.train.lr <= 0:  # Muon's rate is muon_lr / lr x lr's schedule
         raise ConfigError("train.optimizer=muon needs train.lr > 0: Muon's rate follows the schedule of train.lr")
+    if t.tokens_per_step:
+        return dataclasses.replace(cfg, train=dataclasses.replace(t, grad_accum=accumulation(t, cfg.data.seq_len)))
     return cfg
+
+
+def accumulation(t: TrainConfig, seq_len: int) -> int:
+    """The micro-batches per step that give exactly ``train.tokens_per_step`` tokens; refused when no whole number
+    does, or when train.grad_accum says otherwise (never a silently different step)."""
+    micro = t.batch_size * seq_len
+    if t.tokens_per_step % micro:
+        lo = max(1, t.tokens_per_step // micro)
+        raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} is not a multiple of train.batch_size x "
+                          f"data.seq_len = {micro}",
+                          hint=f"use {lo * micro} or {(lo + 1) * micro}, or change train.batch_size")
+    accum = t.tokens_per_step // micro
+    if t.grad_accum not in (1, accum):
+        raise ConfigError(f"train.tokens_per_step={t.tokens_per_step} needs train.grad_accum={accum}, but "
+                          f"train.grad_accum={t.grad_accum} is set", hint="set one of the two")
+    return accum
 
 
 def replace(cfg: Any, **changes: Any) -> Any:

@@ -132,6 +132,13 @@ class Combined:
                                   "params": [local[i] for i in g["params"]]} for g in mine]})
 
 
+def kernel(tc: TrainConfig, device: torch.device) -> dict:
+    """AdamW's ``fused``/``foreach`` arguments for ``train.optimizer_impl`` (auto: fused on CUDA, the per-parameter
+    loop elsewhere). The three compute the same update up to float rounding (tests/e2e/test_fast_paths.py)."""
+    impl = tc.optimizer_impl if tc.optimizer_impl != "auto" else ("fused" if device.type == "cuda" else "loop")
+    return {"fused": impl == "fused", "foreach": impl == "foreach"}
+
+
 def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device) -> torch.optim.AdamW | Combined:
     """AdamW over :func:`param_groups`, or (``train.optimizer=muon``) Muon for the hidden matrices + AdamW."""
     groups = param_groups(model, tc)
@@ -143,7 +150,7 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device
         groups, muon = split_muon(model, groups, tc)
     for g in groups:
         g["lr"] = tc.lr * g["lr_mult"]
-    adamw = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, fused=device.type == "cuda")
+    adamw = torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), eps=tc.eps, **kernel(tc, device))
     if muon is None:
         return adamw
     muon["lr"] = tc.muon_lr
@@ -152,4 +159,4 @@ def make_optimizer(model: torch.nn.Module, tc: TrainConfig, device: torch.device
     return Combined({"adamw": adamw, "muon": hidden})
 
 
-__all__ = ["OPTIMIZERS", "Combined", "hidden_matrices", "make_optimizer", "param_groups", "split_muon"]
+__all__ = ["OPTIMIZERS", "Combined", "hidden_matrices", "kernel", "make_optimizer", "param_groups", "split_muon"]

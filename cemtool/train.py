@@ -63,6 +63,59 @@ def pick_device(device: str | None = None) -> torch.device:
     return dev
 
 
+def to_device(x: torch.Tensor, y: torch.Tensor, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch onto the device: through pinned memory and without waiting on CUDA, as is on the CPU."""
+    if dev.type == "cuda":
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+
+def host_sync(tc: TrainConfig, dev: torch.device) -> str:
+    """train.host_sync resolved: 'step' (read the loss every step; exact, free on the CPU) or 'log'."""
+    return tc.host_sync if tc.host_sync != "auto" else ("log" if dev.type == "cuda" else "step")
+
+
+def wants_compile(tc: TrainConfig, dev: torch.device) -> bool:
+    return tc.compile == "true" or (tc.compile == "auto" and dev.type == "cuda")
+
+
+def compiled(model: torch.nn.Module, tc: TrainConfig, dev: torch.device, callback: Callback | None = None):
+    """The module the loop calls: torch.compile'd when train.compile asks (auto: on CUDA), else the model itself.
+    Compilation happens at the first call; :class:`Compiled` falls back to the eager model, and says why, when it
+    fails there."""
+    if not wants_compile(tc, dev):
+        return model
+    return Compiled(model, callback, required=tc.compile == "true")
+
+
+class Compiled(torch.nn.Module):
+    """torch.compile(model), with a fallback: if the compiled call raises (no C compiler, an unsupported op, a
+    backend error), the eager model serves instead, the reason goes to the callback as a note and to
+    ``self.fallback``; with ``required`` (train.compile=true) the error stops the run instead, as one line. The
+    weights are the model's own (no copy): checkpoints and analyses see the same tensors."""
+
+    def __init__(self, model: torch.nn.Module, callback: Callback | None, required: bool):
+        super().__init__()
+        self.model = model
+        self._compiled = torch.compile(model)
+        self._callback, self._required = callback, required
+        self.fallback: str | None = None
+
+    def forward(self, *args, **kwargs):
+        if self.fallback is not None:
+            return self.model(*args, **kwargs)
+        try:
+            return self._compiled(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 (any backend failure: the eager model is the same function)
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            if self._required:
+                raise CemtoolError(f"torch.compile failed: {reason}",
+                                   hint="train.compile=auto falls back to eager; false skips compilation") from None
+            self.fallback = reason
+            _emit(self._callback, kind="note", message=f"torch.compile failed, training eagerly: {reason}")
+            return self.model(*args, **kwargs)
+
+
 def autocast_for(device: torch.device, precision: str):
     if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
         return torch.autocast(device.type, dtype=torch.bfloat16)
@@ -228,12 +281,10 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             writer.truncate_metrics(step)
             writer.mark_resumed(str(dev))  # only now: a resume that fails leaves meta.json as it was
     log_row = metrics_writer(writer, tc.log_to)  # metrics.jsonl (and TensorBoard, rewritten from it)
-    fwd = model
-    if tc.compile:
-        fwd = torch.compile(model)
+    fwd = fwd_plain = compiled(model, tc, dev, callback)
     if dd.world > 1:
-
         fwd = DDP(fwd, device_ids=[dev.index] if dev.type == "cuda" else None)
+    read_every = 1 if host_sync(tc, dev) == "step" else tc.log_every  # when the host reads the loss
     eval_starts = corpus.eval_windows(T, tc.eval_tokens)
     floor = corpus.floor(eval_starts, T)
     bytes_per_token = corpus.bytes_per_token(eval_starts, T)
@@ -267,7 +318,10 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
 
     def session() -> dict:
         return {"started": started, "from_step": first_step, "to_step": step,
-                "seconds": time.perf_counter() - t0, "device": str(dev)}
+                "seconds": time.perf_counter() - t0, "device": str(dev),
+                "compiled": isinstance(fwd_plain, Compiled) and fwd_plain.fallback is None,
+                "compile_fallback": fwd_plain.fallback if isinstance(fwd_plain, Compiled) else None,
+                "host_sync": host_sync(tc, dev)}
 
     def checkpoint_here() -> None:  # weights checked on every rank first: all stop alike
         x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
@@ -278,6 +332,8 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             _emit(callback, kind="checkpoint", step=step)
 
     val_loss: float | None = None
+    loss_value: float | None = None  # the last training loss the host read
+    nonfinite = torch.zeros((), dtype=torch.bool, device=dev)  # any non-finite loss since the last read
     status = "completed"
     done_here = 0
     model.train()
@@ -297,8 +353,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             for micro in range(tc.grad_accum):
                 starts = batch_starts(corpus, T, tc.batch_size, cfg.seed, step, micro)
                 starts = starts[dd.rank * per_rank:(dd.rank + 1) * per_rank]
-                x, y = windows(corpus.train, starts, T)
-                x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                x, y = to_device(*windows(corpus.train, starts, T), dev)  # (B/world, T) each
                 sync = (micro == tc.grad_accum - 1) or dd.world == 1
                 ctx = nullcontext() if sync else fwd.no_sync()
                 with ctx:
@@ -309,11 +364,17 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             train_loss = loss_sum / tc.grad_accum
             if dd.world > 1:
                 dist.all_reduce(train_loss, op=dist.ReduceOp.AVG)
-            loss_value = float(train_loss)
-            if not math.isfinite(loss_value):
-                raise NonFiniteLoss(f"training loss became {loss_value} at step {step + 1}",
-                                    hint="lower train.lr or raise train.warmup_steps; the last good checkpoint "
-                                         "is kept")
+            nonfinite |= ~torch.isfinite(train_loss)  # on the device: no sync
+            read = (step + 1) % read_every == 0 or (step + 1) % tc.log_every == 0 or step + 1 == steps_total
+            if read:
+                loss_value = float(train_loss)  # the only per-step host read, at this cadence
+                if bool(nonfinite):
+                    where = (f"{loss_value} at step {step + 1}" if read_every == 1 else
+                             f"non-finite at one of steps {max(1, step + 2 - read_every)}..{step + 1} (train.host_sync"
+                             f"=log reads it every {read_every} steps)")
+                    raise NonFiniteLoss(f"training loss became {where}",
+                                        hint="lower train.lr or raise train.warmup_steps; the last good checkpoint "
+                                             "is kept")
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0
                                                    else float("inf"))
             opt.step()
@@ -332,7 +393,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
                 if writer is not None:
                     log_row(row)
             _emit(callback, kind="step", step=step, total=steps_total, loss=loss_value, lr=lr,
-                  tokens=tokens_seen)
+                  tokens=tokens_seen)  # loss: the last one read (train.host_sync)
             if tracker is not None and step % tc.curvature_every == 0:  # every rank (data-parallel HVPs)
                 row = {**tracker.measure(model, opt, step=step, lr=lr_at(step, steps_total, tc), beta1=tc.beta1,
                                          optimizer_name=tc.optimizer),
@@ -346,7 +407,9 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
             if step % ckpt_every == 0 and step < steps_total:
                 checkpoint_here()
                 saved = step
-            if stop.requested(dd, dev) and step < steps_total:  # SIGINT/SIGTERM: checkpoint here, then stop
+            # SIGINT/SIGTERM: checkpoint here, then stop. Under torchrun the ranks agree on a signal with a
+            # collective: at the loss-read cadence, not every step
+            if (dd.world == 1 or read) and stop.requested(dd, dev) and step < steps_total:
                 status = "interrupted"
                 if saved != step:
                     try:

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU check (issue 12): trains baseline, cem-rec2, tmm and lime at ~25M parameters in bf16 with and without
-# torch.compile (tokens/s, MFU against the measured bf16 matmul peak), runs sharpness and collapse-report on them in
-# fp32, a 2-GPU torchrun when two GPUs exist, and a fused-vs-explicit attention check; prints one table and writes
-# runs/gpu_check/gpu_check.md. On a CPU machine: `bash scripts/gpu_check.sh --device cpu --tiny` (the smoke test).
-# All arguments go to benchmarks/gpu_check.py (--device, --tiny, --out, --steps, --no-compile).
+# The GPU check (issue 25): the measured matmul peak; the baseline and one architecture of each family at ~25M and
+# the 124M shape, trained with cemtool's CUDA defaults for --budget S seconds in all (tokens/s, MFU against the
+# measured peak with flop_counter FLOPs and with 6N+12LdT); sharpness and collapse-report times; --profile: where
+# the step time goes. Writes OUT/gpu_check.md and .json after every step. On a CPU machine:
+# `bash scripts/gpu_check.sh --device cpu --tiny --budget 4` (the smoke test). All arguments go to
+# benchmarks/gpu_check.py (see its --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python}"

@@ -169,7 +169,8 @@ def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, qu
 
             def cb(ev: dict, k=k, name=p.name) -> None:
                 if ev["kind"] == "step":
-                    bar.update(task, completed=k * steps + ev["step"], status=f"{name} loss {ev['loss']:.3f}")
+                    loss = f" loss {ev['loss']:.3f}" if ev.get("loss") is not None else ""
+                    bar.update(task, completed=k * steps + ev["step"], status=f"{name}{loss}")
 
             st = start_or_resume(cfg, run_dir, device=dev, existing="reuse", corpora=corpora,
                                  extra_meta={"sweep": str(root)}, callback=cb)

@@ -50,7 +50,8 @@ class SweepReporter:
             name = item if self.stage.get(item) == "train" else f"{item} {self.stage.get(item)}"
             self.task = self.bar.add_task(name, total=ev["total"], completed=ev["step"], status="")
         elif kind == "step" and self.task is not None:
-            self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}")
+            loss = f"loss {ev['loss']:.4f}" if ev.get("loss") is not None else ""
+            self.bar.update(self.task, completed=ev["step"], status=loss)
         elif kind == "end":
             vl = f"val loss {ev['val_loss']:.4f}" if ev.get("val_loss") is not None else ""
             err = f" ({ev['error']})" if ev.get("error") else ""

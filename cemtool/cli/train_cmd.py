@@ -61,8 +61,8 @@ class ProgressReporter:
                     self.rate = (ev["tokens"] - self.tok_rate) / (now - self.t_rate)
                 self.t_rate, self.tok_rate = now, ev["tokens"]
             rate = f"{self.rate:,.0f} tok/s" if self.rate else "… tok/s"
-            self.bar.update(self.task, completed=ev["step"], status=f"loss {ev['loss']:.4f}  lr {ev['lr']:.2e}  "
-                            f"{rate}")
+            loss = f"loss {ev['loss']:.4f}  " if ev.get("loss") is not None else ""
+            self.bar.update(self.task, completed=ev["step"], status=f"{loss}lr {ev['lr']:.2e}  {rate}")
         elif kind == "eval":
             gap = f"  gap {ev['val_gap']:+.4f}" if ev.get("val_gap") is not None else ""
             floor = f"  floor {ev['val_floor']:.4f}" if ev.get("val_floor") is not None else ""

@@ -1,7 +1,8 @@
 """The findings study (research/scripts/study.sh's grammar and muon parts) at GPU scale, on a corpus of token files.
 
     research/scripts/study_gpu.sh --data PATH [--size 25m|125m] [--gpus K] [--out DIR] [--tokens N] [--to PATH]
-                         [--set key=value ...] [--device auto|cpu|cuda] [--yes] [--estimate-only] [--tiny]
+                         [--set key=value ...] [--device auto|cpu|cuda] [--yes] [--estimate-only]
+                         [--budget-minutes M] [--tiny]
 
 The same groups as study.sh, as ordinary `cemtool sweep` studies (a tuning study on seeds 100,101 over a learning
 rate grid, then a comparison with --tuned on other seeds), grouped into chains that must run in order (a tuning
@@ -270,7 +271,8 @@ def steady_rate(run: Path) -> float:
 def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: dict, device: str,
                analysis_options: dict, scan_s: float) -> dict:
     """Train every probe (or find it trained), and time sharpness and collapse on the baseline's probe run.
-    Returns {"rate": {probe: {arch: tokens/s}}, "overhead_s", "flops": {arch: FLOPs/token}, "analysis_s"}.
+    Returns {"rate": {probe: {arch: tokens/s}}, "overhead_s", "flops": {arch: FLOPs/token}, "params": {arch: n},
+    "analysis_s"}.
     overhead_s: a run's time in its sweep besides training and analyses (building the model, counting its FLOPs,
     checkpoints), measured when the probes train and kept in estimate/overhead.json for reruns."""
     import json
@@ -285,7 +287,7 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
     probe_sets = [*size.sets(), *data_sets, f"train.log_every={max(1, size.probe_steps // 6)}",
                   f"train.eval_every={10 ** 9}", f"train.eval_tokens={size.tokens_per_step // size.grad_accum}"]
     tokens = size.probe_steps * size.tokens_per_step
-    rate, overhead, flops = {}, [], {}
+    rate, overhead, flops, params = {}, [], {}, {}
     plans = dict(probe_plans(size, shapes))
     plans["analyses"] = (["baseline"], [])
     for name, (archs, sets) in plans.items():
@@ -306,6 +308,7 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
             rate.setdefault(name, {})[item["arch"]] = r
             if name == "default":
                 flops[item["arch"]] = item["flops_per_token"]
+                params[item["arch"]] = item["params"]
             if name == "analyses":
                 analysis_s = {a: v["seconds"] for a, v in item["analyses"].items()}
     saved = out / "estimate" / "overhead.json"
@@ -314,7 +317,7 @@ def run_probes(out: Path, size: Size, data_sets: list[str], data: str, shapes: d
     overhead_s = json.loads(saved.read_text())["overhead_s"] if saved.is_file() else 0.0
     if device == "cuda":
         torch.cuda.empty_cache()  # the lanes need the memory of the first GPU
-    return {"rate": rate, "overhead_s": overhead_s, "flops": flops, "analysis_s": analysis_s}
+    return {"rate": rate, "overhead_s": overhead_s, "flops": flops, "params": params, "analysis_s": analysis_s}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -389,6 +392,30 @@ def print_estimate(probes: dict, work: list[Chain], size: Size, lanes: int, devi
           f"{probes['overhead_s']:.1f} s besides its training; sharpness, collapse and forgetting included)")
     print(f"estimate: {total:.3g} device-hours; {lane_hours(work, lanes):.3g} hours on {lanes} lane(s) of {device} "
           f"(the longest chain: {max(c.hours for c in work):.3g} h)")
+
+
+def budget_plan(probes: dict, work: list[Chain], size: Size, minutes: float, lanes: int,
+                per_param: float = 20.0) -> list[str]:
+    """What fits in ``minutes`` of device time, from the measured rates: one run of each architecture at
+    ``per_param`` training tokens per parameter (Chinchilla's ~20) with its sharpness and collapse, how many such
+    runs fit, and which of the study's chains fit in order (the order chains() puts them in) on the lanes."""
+    lines = [f"within {minutes:g} minutes of device time ({lanes} lane(s)); one run at {per_param:g} tokens/param:",
+             f"{'arch':<16} {'params':>12} {'tokens':>14} {'minutes/run':>12} {'runs that fit':>14}"]
+    default = next(s for c in work for s in c.sweeps if s.probe == "default")
+    for arch, n in sorted(probes["params"].items()):
+        tokens = size.whole_steps(int(per_param * n))
+        sec = run_seconds(probes, default, arch, size, tokens) + probes["analysis_s"].get("sharpness", 0.0) + \
+            probes["analysis_s"].get("collapse", 0.0)
+        lines.append(f"{arch:<16} {n:>12,} {tokens:>14,} {sec / 60:>12.2f} {int(minutes * 60 * lanes // sec):>14}")
+    left, fit = minutes / 60, []
+    for c in work:  # in the study's order: a chain that does not fit is skipped, a later shorter one may
+        if c.hours / lanes <= left:  # a chain runs on one lane; lanes share the budget
+            fit.append(c)
+            left -= c.hours / lanes
+    names = ", ".join(s.dir for c in fit for s in c.sweeps) or "none"
+    lines.append(f"chains of this study that fit: {len(fit)} of {len(work)} ({names}); "
+                 f"{(minutes / 60 - left) * 60:.1f} of {minutes:g} minutes used")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -515,6 +542,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--yes", action="store_true", help="start without asking")
     p.add_argument("--estimate-only", action="store_true", help="print the estimate and exit")
+    p.add_argument("--budget-minutes", type=float, default=0.0, help="with the estimate: what fits in this many "
+                   "minutes of device time (runs at 20 tokens/param per architecture, and the chains that fit)")
     p.add_argument("--tiny", action="store_true", help="a tiny model, tiny budgets and seeds 0,1: the whole "
                                                        "pipeline in minutes on a CPU")
     return p.parse_args(argv)
@@ -590,6 +619,8 @@ def main(argv: list[str]) -> int:
     for c in work:
         c.hours = sum(sweep_hours(probes, s, size) for s in c.sweeps)
     print_estimate(probes, work, size, lanes, device)
+    if args.budget_minutes > 0:
+        print("\n".join(budget_plan(probes, work, size, args.budget_minutes, lanes)))
     if args.estimate_only:
         return 0
     if not args.yes and input("start the study? [y/N] ").strip().lower() not in ("y", "yes"):

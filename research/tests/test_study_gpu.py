@@ -105,6 +105,27 @@ def test_estimate_only_trains_nothing(tiny):
     assert table(est["res"].stdout) == table(tiny["res"].stdout)  # the same plan, measured before
     assert est["studies"] == []
     assert all("/estimate/" in p for p in est["runs"])  # only the timed probes
+    out = est["res"].stdout
+    assert "within 15 minutes of device time" in out and "chains of this study that fit:" in out
+    assert re.search(r"^baseline\s+[\d,]+\s+[\d,]+\s+[\d.]+\s+\d+$", out, re.M), out
+
+
+def test_budget_plan_counts_runs_and_chains_by_hand():
+    """budget_plan against a hand computation: 1,000 tokens/s, 1 s overhead, 2 s of analyses, 100 params at 20
+    tokens/param -> 2,000 tokens (a whole number of the tiny size's steps, eval cost added) per run."""
+    mod = study_gpu()
+    size = dataclasses.replace(mod.SIZES["tiny"], eval_every=10 ** 9, eval_tokens=0)
+    sweep = mod.Sweep(dir="main/core", archs=["baseline"], seeds=[0], tokens=size.tokens_per_step, probe="default")
+    probes = {"rate": {"default": {"baseline": 1000.0}}, "overhead_s": 1.0, "params": {"baseline": 100},
+              "analysis_s": {"sharpness": 1.5, "collapse": 0.5}}
+    short, long = mod.Chain("short", [sweep], hours=0.1), mod.Chain("long", [sweep], hours=0.3)
+    lines = mod.budget_plan(probes, [long, short], size, minutes=15, lanes=1)
+    tokens = size.whole_steps(2000)
+    sec = tokens / 1000 + 1.0 + 2.0
+    row = lines[2].split()
+    assert row[0] == "baseline" and int(row[2].replace(",", "")) == tokens
+    assert float(row[3]) == pytest.approx(sec / 60, abs=0.005) and int(row[4]) == int(900 // sec)
+    assert "fit: 1 of 2" in lines[-1] and "6.0 of 15 minutes" in lines[-1]  # the 18-minute chain does not fit
 
 
 @pytest.mark.slow

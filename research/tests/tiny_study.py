@@ -68,7 +68,7 @@ class TinyStudy:
 
     def _work(self) -> None:
         try:
-            est = self._script(*TINY, "--estimate-only", "--out", str(self.out))
+            est = self._script(*TINY, "--estimate-only", "--budget-minutes", "15", "--out", str(self.out))
             assert est.returncode == 0, est.stdout + est.stderr
             estimate_only = {"res": est, "studies": study_dirs(self.out), "runs": meta_mtimes(self.out)}
             if self.stopped:
