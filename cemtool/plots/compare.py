@@ -19,6 +19,7 @@ import numpy as np
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from cemtool.analysis.curvature import DEFAULT_OPERATOR, symbol
 from cemtool.plots.style import (
     CURVATURE,
     arch_color,
@@ -149,8 +150,11 @@ def plot_layer_eigenvalues(entries: list[dict], plots_dir: str | Path, name: str
             if pts:
                 x, y, yerr = (list(v) for v in zip(*pts, strict=True))
                 axes[0, 2].errorbar(x, y, yerr=yerr, color=color, ls=ls, marker="s", capsize=2, label=e["label"])
-    titles = ["largest eigenvalue λ_max of the layer's block", "smallest eigenvalue λ_min of the layer's block",
-              "tr(H)/n of the layer's block"]
+    ops = {(r.get("options") or {}).get("operator") or r.get("operator") or DEFAULT_OPERATOR
+           for e in entries for r in e["reports"]}
+    A = symbol(ops.pop()) if len(ops) == 1 else "A"  # the operator the reports measured (mixed: A, named below)
+    titles = [f"largest eigenvalue λ_max({A}) of the layer's block",
+              f"smallest eigenvalue λ_min({A}) of the layer's block", f"tr({A})/n of the layer's block"]
     all_layers = [layer_of(r) for e in entries for r in e["reports"] if layer_of(r) is not None]
     for ax, title in zip(axes[0], titles, strict=False):
         ax.set_title(title, fontsize=9)
@@ -248,7 +252,7 @@ def interval_figure(groups: list[dict], measures: list[dict], title: str = ""):
 
 BARS = ("gap", "lambda_max", "trace_per_param", "forgetting", "plasticity", "value_entropy", "separability")
 TITLES = {"gap": "final validation loss - entropy floor", "val_loss": "final validation loss",
-          "lambda_max": "largest Hessian eigenvalue λ_max", "trace_per_param": "Hessian trace per parameter tr(H)/n",
+          "lambda_max": "largest eigenvalue λ_max(H)", "trace_per_param": "trace per parameter tr(H)/n",
           "forgetting": "forgetting (source loss after - before)",
           "plasticity": "plasticity (target loss before - after)",
           "value_entropy": "value entropy, last layer", "separability": "value separability, last layer"}
@@ -263,6 +267,16 @@ def _run_value(run: dict, metric: str) -> float | None:
         return None if run.get("val_loss") is None or run.get("val_floor") is None \
             else run["val_loss"] - run["val_floor"]
     return run.get(metric)
+
+
+def operator_title(metric: str, operator: str | None) -> str:
+    """TITLES[metric], its curvature named by the operator the comparison measured (tr(G)/n for a GGN)."""
+    op = operator or DEFAULT_OPERATOR
+    if metric == "lambda_max":
+        return f"largest eigenvalue λ_max({symbol(op)})"
+    if metric == "trace_per_param":
+        return f"trace per parameter tr({symbol(op)})/n"
+    return TITLES.get(metric, metric)
 
 
 def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
@@ -284,7 +298,8 @@ def compare_measures(report: dict) -> tuple[list[dict], list[dict]]:
             values.append({"mean": float(np.mean(pts)), "std": std, "n": len(pts), "points": pts,
                            "tokens": [r.get(TOKENS_OF[m]) for r in runs] if m in TOKENS_OF else None})
         if any(v is not None for v in values):
-            measures.append({"key": m, "name": TITLES[m], "unit": UNITS[m], "values": values})
+            measures.append({"key": m, "name": operator_title(m, report.get("curvature_operator")), "unit": UNITS[m],
+                             "values": values})
     return groups, measures
 
 
@@ -321,8 +336,9 @@ def plot_correlations(report: dict, plots_dir: str | Path, name: str = "compare_
             note += f"\nmixed N = {', '.join(f'{t:,}' for t in ns)} tokens: curvatures not comparable"
         ax.set_title(f"Spearman ρ = {rho}{p}, n = {c['n']}{note}", fontsize=8,
                      color="#B00000" if len(ns) > 1 else "black")
-        ax.set_xlabel(f"{TITLES.get(c['x'], c['x'])} ({UNITS.get(c['x'], '')})", fontsize=8)
-        ax.set_ylabel(f"{TITLES.get(c['y'], c['y'])} ({UNITS.get(c['y'], '')})", fontsize=8)
+        op = report.get("curvature_operator")
+        ax.set_xlabel(f"{operator_title(c['x'], op)} ({UNITS.get(c['x'], '')})", fontsize=8)
+        ax.set_ylabel(f"{operator_title(c['y'], op)} ({UNITS.get(c['y'], '')})", fontsize=8)
         ax.grid(alpha=0.3)
     handles, labels = axes[0, 0].get_legend_handles_labels()
     for s_, m in zip(seeds, markers, strict=False):  # marker = seed

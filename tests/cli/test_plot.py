@@ -136,6 +136,9 @@ def test_compare_bars_are_mean_and_the_tables_std():
     assert math.isclose(by["lambda_max"]["values"][0]["mean"], 12.0)
     assert by["forgetting"]["values"][0] is None and by["forgetting"]["values"][1]["mean"] == 0.2
     assert "plasticity" not in by  # no run has it
+    assert by["lambda_max"]["name"] == "largest eigenvalue λ_max(H)"  # no operator recorded: the Hessian
+    _, measures = compare_measures({**report, "curvature_operator": "ggn"})
+    assert {m["key"]: m for m in measures}["lambda_max"]["name"] == "largest eigenvalue λ_max(G)"  # a GGN's panel
 
 
 def test_training_groups_are_mean_and_std_over_seeds(tmp_path):
@@ -499,7 +502,7 @@ def test_compare_shows_points_with_intervals_in_curvature_units(drawn, tmp_path)
     assert not [p for ax in fig.axes for p in ax.patches if isinstance(p, Rectangle)]  # no bars from zero
     lo, hi = loss.get_ylim()
     assert 3.3 < lo < 3.5 and hi < 3.7  # zoomed on the data: a 0.05-nat difference is a fifth of the axis
-    for name in ("largest Hessian eigenvalue λ_max", "Hessian trace per parameter tr(H)/n"):
+    for name in ("largest eigenvalue λ_max(H)", "trace per parameter tr(H)/n"):
         assert "²" in panels[name].get_ylabel() and panels[name].get_ylabel() != "nats/token", name
         assert "N = 2,048 tokens" in panels[name].get_title()
     assert loss.get_ylabel() == "nats/token"
