@@ -138,8 +138,9 @@ class DataConfig:
     """Where tokens come from and how they are cut into windows."""
 
     source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), 'ngram', "
-                                 "'pydoc', or a path to a .txt file or a folder of .txt files, or pretokenised "
-                                 "token files (.bin, .npy, or a folder with train.bin and val.bin)")
+                                 "'pydoc', 'stdlib' or 'stdlib-core' (Python's standard library source, with or "
+                                 "without its tests), or a path to a .txt file or a folder of .txt files, or "
+                                 "pretokenised token files (.bin, .npy, or a folder with train.bin and val.bin)")
     tokenizer: str = opt("auto", "auto = word for grammar, bpe for text, ids alone for token files; word, byte, bpe, "
                                  "or the path of a Hugging Face tokenizer.json (e.g. GPT-2's)")
     bpe_vocab_size: int = opt(2048, "vocabulary size of a locally trained BPE tokenizer", min=260, max=65535)

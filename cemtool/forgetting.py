@@ -24,7 +24,15 @@ cemtool's runs are often far shorter, and 1000 steps would then be a second pret
 
 while lr, betas, weight decay, the cosine floor and clipping stay at the reference values (the recipe must not
 depend on the variant being compared). Every value can be overridden (``scaled_recipe`` keyword arguments, the
-``cemtool forgetting`` flags).
+``cemtool forgetting`` flags). Two options change the scaling itself:
+
+- ``step_fraction`` (default 0.25): the share of the source run's steps (same batch, hence of its tokens). The
+  TMM paper fine-tunes on about 3.3% of its pretraining tokens; ``step_fraction=0.03`` is that recipe.
+- ``lr_scale`` (default none: the fixed reference lr): the fine-tune's peak lr is ``lr_scale`` x the source
+  run's ``train.lr`` (its peak lr; for a Muon run, the AdamW part's). A fixed 1e-4 is 1/30 to 1/3000 of the
+  rates cemtool's small models are tuned to, so their fine-tunes differ mostly in how far each model moves;
+  a lr proportional to the model's own keeps the fine-tune's step size in proportion. It is refused beside an
+  explicit ``lr``, and for a source without a training lr (a Hugging Face model).
 
 Data and tokenizer: the target is read with the SOURCE run's tokenizer. The grammar corpora (``grammar``,
 ``grammar-b``) are written in their own word vocabulary, so a grammar run fine-tunes on ``grammar-b`` (same
@@ -129,6 +137,8 @@ class Options:
     eval_every: int | None = None
     eval_tokens: int | None = None
     checkpoint: str = "final"
+    step_fraction: float = STEP_FRACTION
+    lr_scale: float | None = None
     lr: float = REFERENCE.lr
     beta1: float = REFERENCE.beta1
     beta2: float = REFERENCE.beta2
@@ -139,7 +149,13 @@ class Options:
     def __post_init__(self):
         check_types(self, "forgetting")
         at_least(self, "forgetting", steps=1, warmup_steps=0, eval_every=1, eval_tokens=1, lr=0, beta1=0, beta2=0,
-                 weight_decay=0, min_lr_ratio=0, grad_clip=0)
+                 weight_decay=0, min_lr_ratio=0, grad_clip=0, lr_scale=0)
+        if not 0 < self.step_fraction <= 1:
+            raise CemtoolError(f"forgetting.step_fraction={self.step_fraction}: must be in (0, 1]")
+        if self.lr_scale is not None and (self.lr_scale <= 0 or self.lr != REFERENCE.lr):
+            raise CemtoolError(f"forgetting.lr_scale={self.lr_scale}: must be > 0 and not given with forgetting.lr"
+                               if self.lr_scale <= 0 else "forgetting.lr and forgetting.lr_scale both given",
+                               hint="lr is the fine-tune's lr; lr_scale makes it lr_scale x the source run's lr")
         for key in ("beta1", "beta2", "min_lr_ratio"):
             if getattr(self, key) > 1:
                 raise CemtoolError(f"forgetting.{key}={getattr(self, key)}: must be <= 1")
@@ -151,16 +167,17 @@ class Options:
     def schedule(self) -> dict:
         """Length, warmup, evaluation cadence and tokens, and the source checkpoint, as fine_tune takes them."""
         return {"steps": self.steps, "warmup_steps": self.warmup_steps, "eval_every": self.eval_every,
-                "eval_tokens": self.eval_tokens, "checkpoint": self.checkpoint}
+                "eval_tokens": self.eval_tokens, "checkpoint": self.checkpoint, "step_fraction": self.step_fraction,
+                "lr_scale": self.lr_scale}
 
 
 def scaled_recipe(source_steps: int, *, steps: int | None = None, warmup_steps: int | None = None,
-                  eval_every: int | None = None, **fixed) -> Recipe:
+                  eval_every: int | None = None, step_fraction: float = STEP_FRACTION, **fixed) -> Recipe:
     """The reference recipe scaled to a source run of ``source_steps`` optimizer steps (see the module
     docstring); explicit ``steps`` / ``warmup_steps`` / ``eval_every`` and any other Recipe field override it."""
     if steps is None:  # a source of unknown training length (a Hugging Face model): the reference's steps
         steps = REFERENCE.steps if source_steps is None else \
-            min(REFERENCE.steps, max(1, math.ceil(STEP_FRACTION * source_steps)))
+            min(REFERENCE.steps, max(1, math.ceil(step_fraction * source_steps)))
     if steps < 1:
         raise CemtoolError(f"fine-tuning steps must be >= 1, got {steps}")
     if warmup_steps is None:
@@ -348,6 +365,7 @@ def _open_existing(out: Path, source: Run, cfg: RunConfig) -> Run:
 def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *, checkpoint: str = "final",
               data: str | None = None, steps: int | None = None, warmup_steps: int | None = None,
               eval_every: int | None = None, eval_tokens: int | None = None, recipe: dict | None = None,
+              step_fraction: float = STEP_FRACTION, lr_scale: float | None = None,
               device: str | torch.device | None = None,
               resume: bool = False, force: bool = False, callback: Callback | None = None,
               argv: list[str] | None = None) -> dict:
@@ -355,7 +373,8 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     (also written to its reports/forgetting.json and .csv). ``recipe``: other Recipe fields (lr, beta1, ...).
 
     resume: continue the fine-tune found at ``out`` (its report is returned as is if already written; a missing
-    ``out`` starts afresh). force: move an existing ``out`` aside first. ``callback`` receives the training loop's
+    ``out`` starts afresh). ``step_fraction``, ``lr_scale``: the recipe's scaling (module docstring).
+    force: move an existing ``out`` aside first. ``callback`` receives the training loop's
     events plus ``{"kind": "source_eval", "step", "source_loss"}``. ``source``: anything
     :func:`cemtool.subject.open_subject` loads (a run, a Hugging Face model directory or hf: id); ``data``: the source
     data A (default the run's own; pydoc for a Hugging Face model), read with the source's tokenizer.
@@ -370,7 +389,14 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
     weights = dict(loaded.model.state_dict())
     ckpt_path, ckpt_step = loaded.checkpoint, loaded.step
     del loaded
-    rec = scaled_recipe(ckpt_step, steps=steps, warmup_steps=warmup_steps, eval_every=eval_every, **(recipe or {}))
+    recipe = dict(recipe or {})
+    if lr_scale is not None:
+        if ckpt_step is None:  # a model cemtool did not train: no training lr is known
+            raise CemtoolError("forgetting.lr_scale needs a source run cemtool trained (its train.lr)",
+                               hint="give the fine-tune's lr instead")
+        recipe["lr"] = lr_scale * src_cfg.train.lr
+    rec = scaled_recipe(ckpt_step, steps=steps, warmup_steps=warmup_steps, eval_every=eval_every,
+                        step_fraction=step_fraction, **recipe)
     cfg = finetune_config(src_cfg, target, rec, eval_tokens)
     out = Path(out) if out is not None else default_out(src.path, target)
     if out.resolve() == src.path.resolve() or src.path.resolve() in out.resolve().parents:
@@ -422,7 +448,7 @@ def fine_tune(source: str | Path, target: str, out: str | Path | None = None, *,
         if _from_main(lambda: not any(r.get("step") == rec.steps and "source_val_loss" in r for r in run.metrics())):
             _track(run, ev, "final", rec.steps, callback)  # the final weights (also after a kill right at the end)
         return _from_main(lambda: _report(run, src, src_cfg, cfg, rec, ev, ckpt_path.name, ckpt_step,
-                                          target_corpus))
+                                          target_corpus, step_fraction, lr_scale))
     finally:
         if run is not None:
             run.unlock()
@@ -457,7 +483,8 @@ def _tracker(run: Run, ev: _Evaluator, callback: Callback | None) -> Callback:
 
 
 def _report(run: Run, src: Run, src_cfg: RunConfig, cfg: RunConfig, rec: Recipe, ev: _Evaluator, ckpt_name: str,
-            ckpt_step: int | None, target_corpus: Corpus) -> dict:
+            ckpt_step: int | None, target_corpus: Corpus, step_fraction: float = STEP_FRACTION,
+            lr_scale: float | None = None) -> dict:
     curve = forgetting_curve(run.metrics())
     summary = summarise(curve)
     T, tc = cfg.data.seq_len, cfg.train
@@ -472,7 +499,10 @@ def _report(run: Run, src: Run, src_cfg: RunConfig, cfg: RunConfig, rec: Recipe,
                    "corpus": target_corpus.info},
         "recipe": {**asdict(rec), "batch_size": tc.batch_size, "grad_accum": tc.grad_accum, "seq_len": T,
                    "tokens_per_step": tc.batch_size * tc.grad_accum * T,
-                   "scaling": f"steps = min({REFERENCE.steps}, ceil({STEP_FRACTION} x source steps)), warmup = "
+                   "step_fraction": step_fraction, "lr_scale": lr_scale,
+                   "lr_rule": "fixed" if lr_scale is None else f"{lr_scale:g} x the source run's train.lr "
+                                                                  f"({src_cfg.train.lr:g})",
+                   "scaling": f"steps = min({REFERENCE.steps}, ceil({step_fraction} x source steps)), warmup = "
                               f"round(steps x {REFERENCE.warmup_steps}/{REFERENCE.steps}), eval_every = "
                               f"ceil(steps / {CURVE_POINTS}), unless overridden"},
         **summary,

@@ -54,7 +54,12 @@ def forgetting(
                                                        "1000)", min=0)] = None,
     eval_every: Annotated[Optional[int], typer.Option(help="evaluate both losses every K steps; default "
                                                            "ceil(steps / 20)", min=1)] = None,
+    step_fraction: Annotated[float, typer.Option(help="default steps = ceil(this x source steps), capped at 1000 "
+                                                      "(0.03: the TMM paper's ~3% of the pretraining tokens)",
+                                                 min=0.0, max=1.0)] = 0.25,
     lr: Annotated[float, typer.Option(help="peak learning rate (reference 1e-4)", min=0.0)] = 1e-4,
+    lr_scale: Annotated[Optional[float], typer.Option(help="peak lr = this x the source run's train.lr, instead of "
+                                                           "--lr", min=0.0)] = None,
     beta1: Annotated[float, typer.Option(help="AdamW beta1 (reference 0.9)", min=0.0, max=1.0)] = 0.9,
     beta2: Annotated[float, typer.Option(help="AdamW beta2 (reference 0.95)", min=0.0, max=1.0)] = 0.95,
     weight_decay: Annotated[float, typer.Option(help="AdamW weight decay (reference 0.01)", min=0.0)] = 0.01,
@@ -87,7 +92,8 @@ def forgetting(
     main = init_distributed(dev).main
     quiet = quiet or not main
     opts = Options(steps=steps, warmup_steps=warmup, eval_every=eval_every, eval_tokens=eval_tokens,
-                   checkpoint=checkpoint, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
+                   checkpoint=checkpoint, step_fraction=step_fraction, lr_scale=lr_scale, lr=lr, beta1=beta1,
+                   beta2=beta2, weight_decay=weight_decay,
                    min_lr_ratio=min_lr_ratio, grad_clip=grad_clip)  # the fine-tune's own checks (forgetting.Options)
     hold_run(run)  # shared: train --force cannot move the source run aside while it is fine-tuned from
     with ProgressReporter(quiet) as rep:

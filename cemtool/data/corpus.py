@@ -4,6 +4,8 @@ A source name maps to a builder (:func:`register_source`); the built-ins are
 
 - ``grammar``: the probabilistic-grammar corpus (``cemtool.data.grammar``) with its exact entropy floor,
 - ``pydoc``: Python's own documentation (``pydoc_data.topics``), real English that ships with every Python,
+- ``stdlib`` / ``stdlib-core``: the standard library's source files, with and without its test suites
+  (``cemtool.data.stdlib``: 12.2M / 4.6M BPE-1024 tokens on CPython 3.11.7, split by file),
 - a path: a ``.txt`` file or a folder of them, tokenized in a streaming pass into a memory-mapped cache.
 
 Later synthetic tasks (associative recall, copying, n-grams on white noise) register further sources.
@@ -27,6 +29,7 @@ import torch
 
 import cemtool.data.synthetic  # noqa: F401  (registers the "ngram" source)
 from cemtool.config import DataConfig
+from cemtool.data import stdlib
 from cemtool.data.grammar import GRAMMAR_VERSION, GRAMMARS
 from cemtool.data.source import Corpus, register_source, source_builder, sources
 from cemtool.data.tokenizer import Tokenizer, byte_tokenizer, load_tokenizer, train_bpe, word_tokenizer
@@ -150,6 +153,37 @@ def _pydoc(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
 register_source("grammar", _grammar)
 register_source("grammar-b", lambda cfg, tok: _grammar(cfg, tok, "grammar-b"))
 register_source("pydoc", _pydoc)
+
+
+def _stdlib_source(cfg: DataConfig, tokenizer: Tokenizer | None, tests: bool) -> Corpus:
+    name = "stdlib" if tests else "stdlib-core"
+    root = stdlib.stdlib_root()
+    texts, info = stdlib.read_library(root, stdlib.library_files(root, tests), cfg.val_fraction)
+    tok = _text_tokenizer(cfg, lambda: iter(texts["train"]), tokenizer)
+    dtype = np.uint16 if tok.vocab_size <= 65535 else np.int32
+    key = hashlib.sha256(f"{name}|{info['sha256']}|{cfg.val_fraction!r}|".encode()
+                         + tok.to_json().encode()).hexdigest()[:24]
+    paths = {split: cache_dir() / f"tokens-{key}.{split}.bin" for split in ("train", "val")}
+    if not all(p.exists() for p in paths.values()):
+        for split, p in paths.items():  # each file's tokens, one file after another (a document boundary is a
+            tmp = p.with_suffix(f".tmp{os.getpid()}")  # file boundary; no separator token is added)
+            try:
+                with open(tmp, "wb") as out:
+                    for text in texts[split]:
+                        out.write(np.asarray(tok.encode(text), dtype=dtype).tobytes())
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            os.replace(tmp, p)
+    train, val = (_memmap(paths[split], dtype) for split in ("train", "val"))
+    info.update({"source": name, "train_tokens": int(len(train)), "val_tokens": int(len(val)),
+                 "tokens": int(len(train) + len(val)), "tokenizer": tok.kind, "vocab_size": tok.vocab_size,
+                 "cache": str(paths["train"])})
+    return Corpus(name, tok, train, val, info=info)
+
+
+register_source("stdlib", lambda cfg, tok: _stdlib_source(cfg, tok, tests=True))
+register_source("stdlib-core", lambda cfg, tok: _stdlib_source(cfg, tok, tests=False))
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -108,6 +108,34 @@ def test_scaled_recipe():
     assert (r.steps, r.warmup_steps, r.eval_every, r.lr) == (10, 0, 3, 3e-4)
     with pytest.raises(CemtoolError, match="unknown recipe field"):
         scaled_recipe(10, momentum=0.9)
+    r = scaled_recipe(3360, step_fraction=0.03)                               # the TMM paper's ~3% of the tokens
+    assert (r.steps, r.warmup_steps, r.eval_every) == (101, 5, 6)             # ceil(100.8), round(5.05), ceil(5.05)
+
+
+def test_step_fraction_and_lr_scale_options():
+    from cemtool.forgetting import Options
+
+    o = Options(step_fraction=0.03, lr_scale=0.1)
+    assert o.schedule()["step_fraction"] == 0.03 and o.schedule()["lr_scale"] == 0.1 and o.recipe()["lr"] == 1e-4
+    for bad, msg in [({"step_fraction": 0.0}, "step_fraction"), ({"step_fraction": 1.5}, "step_fraction"),
+                     ({"lr_scale": 0.1, "lr": 3e-4}, "both given"), ({"lr_scale": -1.0}, "lr_scale")]:
+        with pytest.raises(CemtoolError, match=msg):
+            Options(**bad)
+
+
+def test_lr_scale_follows_the_source_runs_lr(grammar_run, tmp_path):
+    src_lr = json.loads((grammar_run / "config.json").read_text())["train"]["lr"]
+    res = runner.invoke(app(), ["forgetting", str(grammar_run), "--to", "grammar-b", "--out", str(tmp_path / "ft"),
+                                "--step-fraction", "0.1", "--lr-scale", "0.5", "--device", "cpu", "-q", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    cfg = json.loads((tmp_path / "ft" / "config.json").read_text())["train"]
+    assert cfg["lr"] == rep["recipe"]["lr"] == 0.5 * src_lr and rep["recipe"]["lr_scale"] == 0.5
+    assert cfg["max_steps"] == rep["recipe"]["steps"] == 3                  # ceil(0.1 x 30 source steps)
+    assert rep["recipe"]["step_fraction"] == 0.1 and "0.5 x the source run's train.lr" in rep["recipe"]["lr_rule"]
+    res = runner.invoke(app(), ["forgetting", str(grammar_run), "--to", "grammar-b", "--out", str(tmp_path / "x"),
+                                "--lr-scale", "0.5", "--lr", "3e-4", "--device", "cpu", "-q"])
+    assert res.exit_code == 1 and res.output.startswith("Error:") and not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------- the command
