@@ -2,7 +2,7 @@
 # The study behind research/docs/findings.md: a verdict for each of the 14 claims of the four papers, every architecture at
 # its own tuned learning rate.
 #
-#   research/scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]      (default OUT runs/findings)
+#   research/scripts/study.sh [--dry-run] grammar|pydoc|muon|stdlib|all [OUT]      (default OUT runs/findings)
 #
 #   grammar  the synthetic grammar corpus, 4 layers x 64 wide (~232k parameters), 512,000 tokens per run,
 #            AdamW; tuning seeds 100,101 over train.lr = 1e-3, 3e-3, 1e-2, 3e-2 (and 1e-1 for the momentum
@@ -15,6 +15,7 @@
 #            one would like without many more repeats), forgetting measured by fine-tuning on Python source code;
 #            tuning seeds 100,101, comparison seeds 0,1,2; claim 9's saturation sweep on the same text, 8 seeds
 #            (at the end of lane 2: OUT/pydoc/saturation)
+#   stdlib   the 20-tokens-per-parameter regime on the standard library's source (see stdlib() below)
 #   saturation  claim 9: cemtool saturation sweep (45 one-layer models) on the built-in n-gram rule
 #   report   the comparisons and figures (cemtool compare / plot per paper) and the verdict table
 #            (python research/scripts/findings.py OUT -> OUT/findings.md) from whatever has finished
@@ -37,7 +38,7 @@ cd "$(dirname "$0")/../.."
 CEMTOOL=${CEMTOOL:-cemtool}
 DRY=()
 if [ "${1:-}" = "--dry-run" ]; then DRY=(--dry-run); shift; fi
-PART=${1:?usage: research/scripts/study.sh [--dry-run] grammar|pydoc|muon|all [OUT]}
+PART=${1:?usage: research/scripts/study.sh [--dry-run] grammar|pydoc|muon|stdlib|all [OUT]}
 OUT=${2:-runs/findings}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1
@@ -195,6 +196,53 @@ print('\n'.join(inspect.getsource(m) for m in (argparse, json, logging, pathlib)
   claims "$OUT/pydoc" 0,1,2
 }
 
+stdlib() {
+  # the 20-tokens-per-parameter regime (research/docs/findings.md "Compute plan"): the standard library's source
+  # (data source stdlib: 11.5M training tokens at a 1,024-token BPE on CPython 3.11.7), 4 layers x 64 wide,
+  # 6,881,280 tokens per run (3,360 steps of 16 x 128): 20.2 tokens per parameter for tmm's 341,088 (the largest
+  # model of the momentum group, its stream embeddings included), 25.8 for the baseline's 266,816; 0.60 epochs.
+  # Tuning seeds 100,101 over a factor-2 grid; comparison seeds 0..4. Each architecture is its own group (tuned,
+  # then compared), so that verdicts finish one architecture at a time; lane 1: the momentum streams in the order
+  # of the claims' weight (soap and shampoo left out on CPU: 30 min a run, 3.8k tokens/s, against 6 min for tmm);
+  # lane 2: the baselines claims 4-8 compare with, the zero-initialised (parameter-matched) streams, then the
+  # allocation (claim 10) and the CEM and LIMe groups.
+  local o=$OUT/stdlib
+  mkdir -p "$o/tune"
+  COMMON=(--data stdlib --tokens 6881280 --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
+          --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
+          --set data.seq_len=128 --set train.batch_size=16)
+  local grid=train.lr=1e-3,2e-3,4e-3,8e-3,1.6e-2 S=0,1,2,3,4
+  # forgetting: fine-tune on Python's documentation (English prose after code) for 3% of the pretraining steps
+  # (the TMM paper's ~3.3% of its tokens) at 0.1 x the run's own peak lr (the lr its cosine schedule ended at);
+  # sharpness: the full protocol on 2,048 tokens without the loss-landscape slice (30 s a run)
+  ANALYSIS_ARGS=(--to pydoc -A forgetting.step_fraction=0.03 -A forgetting.lr_scale=0.1
+                 -A sharpness.landscape=none)
+  local l1= l2=
+  lane 1 && (
+    for a in tmm hb nesterov adam adamw rmsprop muon ortho; do
+      group "$o" "$a" "$a" sharpness,forgetting $S "$grid"
+    done
+  ) &
+  lane 1 && l1=$!
+  lane 2 && (
+    group "$o" baseline baseline sharpness,forgetting $S "$grid"
+    group "$o" baseline-wide baseline sharpness,forgetting $S "$grid" --set model.mlp_hidden=353  # 341,312 params
+    for a in tmm hb nesterov; do  # the streams without their learned embeddings: the baseline's parameters
+      group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" --set model.stream_init=zeros
+    done
+    for s in early-heavy late-lowrank; do
+      group "$o" "$s" baseline "" $S "$grid" --set model.alloc_strategy=$s
+    done
+    group "$o" late-lowrank-75 baseline "" $S "$grid" --set "model.head_dims=[16,16,10,6]"
+    group "$o" lime lime collapse $S "$grid"
+    for a in cem cem-rec2 cem-precond cem-dplr cem-full; do
+      group "$o" "$a" "$a" "" $S "$grid"
+    done
+  ) &
+  lane 2 && l2=$!
+  wait $l1 $l2
+}
+
 saturation() {  # saturation OUTDIR SEEDS [DATA OPTIONS...]: claim 9's sweep (the default data: the n-gram rule)
   local o=$1 seeds=$2; shift 2
   if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: 5 head sizes x 3 lengths x seeds $seeds $*"; return 0; fi
@@ -233,9 +281,10 @@ case $PART in
   grammar) grammar ;;
   muon) muon ;;
   pydoc) pydoc ;;
+  stdlib) stdlib ;;
   saturation) saturation "$OUT/saturation" 0,1,2 ;;
   report) for d in grammar grammar-muon pydoc; do if [ -d "$OUT/$d" ]; then report "$OUT/$d"; fi; done ;;
   all) grammar; muon; pydoc; saturation "$OUT/saturation" 0,1,2; for d in grammar grammar-muon pydoc; do report "$OUT/$d"; done ;;
-  *) echo "Error: unknown part '$PART' (grammar, muon, pydoc, saturation, report or all)" >&2; exit 2 ;;
+  *) echo "Error: unknown part '$PART' (grammar, muon, pydoc, stdlib, saturation, report or all)" >&2; exit 2 ;;
 esac
 [ ${#DRY[@]} -gt 0 ] || echo "$(date -u +%FT%TZ) $PART: $(( ($(date +%s) - start) / 60 )) min" >> "$OUT/study.log"
