@@ -211,6 +211,9 @@ stdlib() {
   COMMON=(--data stdlib --tokens 6881280 --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
           --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4
           --set data.seq_len=128 --set train.batch_size=16)
+  WIDE=(--set model.mlp_hidden=273)  # 341,312 parameters vs tmm's 341,088 (its learned stream embeddings)
+  LOWRANK_75="[16,16,10,6]"  # 48 of 64
+  ZERO=(--set model.momentum.stream_init=zero)  # the streams without learned embeddings: the baseline's 266,816 parameters
   local grid=train.lr=1e-3,2e-3,4e-3,8e-3,1.6e-2 S=0,1,2,3,4
   # forgetting: fine-tune on Python's documentation (English prose after code) for 3% of the pretraining steps
   # (the TMM paper's ~3.3% of its tokens) at 0.1 x the run's own peak lr (the lr its cosine schedule ended at);
@@ -226,14 +229,14 @@ stdlib() {
   lane 1 && l1=$!
   lane 2 && (
     group "$o" baseline baseline sharpness,forgetting $S "$grid"
-    group "$o" baseline-wide baseline sharpness,forgetting $S "$grid" --set model.mlp_hidden=353  # 341,312 params
-    for a in tmm hb nesterov; do  # the streams without their learned embeddings: the baseline's parameters
-      group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" --set model.stream_init=zeros
+    group "$o" baseline-wide baseline sharpness,forgetting $S "$grid" "${WIDE[@]}"
+    for a in tmm hb nesterov; do
+      group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" "${ZERO[@]}"
     done
     for s in early-heavy late-lowrank; do
       group "$o" "$s" baseline "" $S "$grid" --set model.alloc_strategy=$s
     done
-    group "$o" late-lowrank-75 baseline "" $S "$grid" --set "model.head_dims=[16,16,10,6]"
+    group "$o" late-lowrank-75 baseline "" $S "$grid" --set "model.head_dims=$LOWRANK_75"
     group "$o" lime lime collapse $S "$grid"
     for a in cem cem-rec2 cem-precond cem-dplr cem-full; do
       group "$o" "$a" "$a" "" $S "$grid"

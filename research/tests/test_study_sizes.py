@@ -80,3 +80,25 @@ def test_late_lowrank_75_has_three_quarters_of_the_attention_budget(study):
     low = size("baseline", common, vocab, (f"model.head_dims={v['LOWRANK_75']}",))
     uniform = size("baseline", common, vocab)
     assert low["attn_budget"] == pytest.approx(0.75 * uniform["attn_budget"])
+
+
+def test_stdlib_part_is_the_20_tokens_per_parameter_regime():
+    """The stdlib part: >= 20 training tokens per parameter for every architecture it trains at the common size
+    (its embeddings included), the wide baseline at tmm's parameters, the zero-initialised streams at the
+    baseline's, late-lowrank-75 at 75% of the attention budget, and whole steps."""
+    v = part("stdlib")
+    common, vocab = v["COMMON"], int(option(v["COMMON"], "data.bpe_vocab_size"))
+    tokens = int(common[common.index("--tokens") + 1])
+    step = int(option(common, "train.batch_size")) * int(option(common, "data.seq_len"))
+    assert tokens % step == 0
+    archs = ["baseline", "tmm", "hb", "nesterov", "adam", "adamw", "rmsprop", "muon", "ortho", "lime", "cem",
+             "cem-rec2", "cem-precond", "cem-dplr", "cem-full"]
+    sizes = {a: size(a, common, vocab)["params"] for a in archs}
+    assert min(tokens / p for p in sizes.values()) >= 20, sizes
+    assert tokens / sizes["tmm"] < 20.5  # no more than needed: the largest model sets the budget
+    wide = size("baseline", common + v["WIDE"], vocab)["params"]
+    assert abs(wide / sizes["tmm"] - 1) < 0.001
+    zero = size("tmm", common + v["ZERO"], vocab)["params"]
+    assert zero == pytest.approx(sizes["baseline"], rel=0.005)  # + the streams' 544 mixing coefficients
+    low = size("baseline", common, vocab, (f"model.head_dims={v['LOWRANK_75']}",))
+    assert low["attn_budget"] == pytest.approx(0.75 * size("baseline", common, vocab)["attn_budget"])
