@@ -64,15 +64,24 @@ compare.json schema (``reports/compare.json`` under the output folder)::
                 "trace_per_param", "trace_per_param_se", "trace", "trace_se", "curvature_n", "curvature_operator",
                 "standing", "grad_norm", "sharpness_tokens", "asam", "sam", "value_entropy", "separability",
                 "separability_chance", "collapse_layer", "forgetting", "plasticity", "forgetting_target",
-                "forgetting_run", "layers": [{"layer", "value_entropy", "separability"}],
+                "forgetting_run", "forgetting_curve": [[plasticity, forgetting], ...], "forgetting_matched", "lr",
+                "layers": [{"layer", "value_entropy", "separability"}],
                 "reports": {"sharpness": path | null, "collapse": path | null, "forgetting": path | null},
                 "settings": {"sharpness": {option: value}, "collapse": {...}},
                 "other_reports": {"sharpness": [name], "collapse": [name]}}],
-      "archs": [{"label", "arch", "n", "seeds": [int], "duplicate_seeds": [int], "runs": [str],
+      "archs": [{"label", "arch", "n", "seeds": [int], "duplicate_seeds": [int], "runs": [str], "standing",
                  "<metric>": {"mean", "std", "n"} | null, ...,
                  "layers": [{"layer", "value_entropy": {"mean", "std", "n"} | null, "separability": ...}]}],
-      "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note"}],
-      "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "p_holm", "mde", "n_a", "n_b", "note"}],
+      "correlations": [{"x", "y", "rho", "p", "p_method", "n", "note",
+                        "arch_level": {"rho", "p", "p_method", "n_archs", "n_runs", "lo", "hi", "se", "n_boot",
+                                       "undefined", "seed", "note"},
+                        "partial": {"rho", "p", "n", "given", "df", "note"}, "partial_arch_level": {...}}],
+      "pairwise": [{"metric", "a", "b", "diff", "lo", "hi", "df", "p", "p_holm", "mde", "n_a", "n_b", "note",
+                    "margin", "p_tost", "equivalent", "lo90", "hi90"}],     # the last five with a margin
+      "factors": [{"factor", "metric", "with", "without", "diff", "lo", "hi", "p", "p_holm", "mde", "n_a", "n_b",
+                   "boot_lo", "boot_hi", "boot_undefined"}],                 # n_a, n_b: architectures
+      "margins": {metric: margin}, "covariates": [field], "bootstrap": {"n_boot", "seed", "levels"},
+      "matched_plasticity": {"level", "rule", "unreached": [run], "note"},
       "pairwise_layers": [{"metric", "layer", "a", "b", "diff", "lo", "hi", "df", "p", "mde", "n_a", "n_b",
                            "note"}],
       "missing": {"sharpness": [run], "collapse": [run], "forgetting": [run]},
@@ -89,7 +98,17 @@ from pathlib import Path
 from cemtool.analysis.compute import run_compute
 from cemtool.analysis.curvature import DEFAULT_OPERATOR, title
 from cemtool.analysis.run_records import METRICS, NAMED, collect, metric_labels, settings_mismatch
-from cemtool.analysis.stats import holm, spearman, summary, welch
+from cemtool.analysis.stats import (
+    at_matched,
+    hierarchical_bootstrap,
+    holm,
+    partial_spearman,
+    spearman,
+    spearman_of_means,
+    summary,
+    tost,
+    welch,
+)
 from cemtool.errors import CemtoolError, UsageError, did_you_mean
 from cemtool.report import (
     SPREAD,
@@ -101,9 +120,12 @@ from cemtool.report import (
 )
 from cemtool.writes import atomic_write_text, safe_name
 
-PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "trace_per_param", "trace", "lambda_max")
+PAIRWISE = ("val_loss", "val_bpb", "forgetting", "plasticity", "forgetting_matched", "trace_per_param", "trace",
+            "lambda_max")
 LAYER_METRICS = {"value_entropy": "H(values)", "separability": "probe(values)"}  # per layer, from collapse.json
-CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"))
+CORRELATE = (("trace_per_param", "forgetting"), ("lambda_max", "forgetting"), ("plasticity", "forgetting"))
+COVARIATES = ("lr", *[m for m in METRICS if m not in ("val_ppl",)])  # what a partial correlation may be given
+N_BOOT = 2000  # replicates of the two-level (architectures, then seeds) bootstrap
 REPORTS = ("sharpness", "collapse", "forgetting")
 CEILING = 0.999  # a probe accuracy at or above this is at its ceiling
 
@@ -113,13 +135,21 @@ CEILING = 0.999  # a probe accuracy at or above this is at its ceiling
 
 
 def compare(paths: list[str | Path], target: str | None = None, level: float = 0.95,
-            at_tokens: int | None = None, names: dict[str, str] | None = None, strict: bool = False) -> dict:
+            at_tokens: int | None = None, names: dict[str, str] | None = None, strict: bool = False,
+            margins: dict[str, float] | None = None, covariates: list[str] | None = None,
+            factors: dict[str, tuple[list[str], list[str] | None]] | None = None,
+            plasticity_level: float | None = None, n_boot: int = N_BOOT, seed: int = 0) -> dict:
     """The comparison payload (schema in the module docstring). Raises CemtoolError if no run has any analysis
     report. ``at_tokens``: compare validation losses at that point of training (see :func:`collect`); ``names``:
     which named sharpness / collapse reports to read. Reports measured with different settings are flagged
-    (``mismatch`` and a note), or refused with ``strict``."""
+    (``mismatch`` and a note), or refused with ``strict``. ``margins``: metric -> equivalence margin (a TOST beside
+    that metric's intervals); ``covariates``: partial correlations given these run fields; ``factors``: name ->
+    (groups with the factor, groups without it or None for every other group), main effects with the group as
+    the unit; ``plasticity_level``: where forgetting is matched (default: the lowest plasticity every fine-tune
+    reaches); ``n_boot``, ``seed``: the two-level bootstrap."""
     if not 0 < level < 1:
         raise UsageError(f"--level: the confidence level must be in (0, 1), got {level}")
+    check_statistics(margins, covariates, plasticity_level, n_boot)
     if at_tokens is not None and at_tokens < 1:
         raise UsageError(f"--at-tokens must be a positive number of tokens, got {at_tokens}")
     for kind, name in (names or {}).items():
@@ -159,6 +189,9 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             notes.append(f"{name} is null for {len(unknown)} run(s) whose sharpness report has no such eigenvalue "
                          f"(measured with {flag} 0): {', '.join(unknown)}")
     notes += curvature_notes(records)
+    matched = match_plasticity(records, plasticity_level)
+    if matched["note"]:
+        notes.append(matched["note"])
     labels = list(dict.fromkeys(r["label"] for r in records))
     archs = []
     for label in labels:
@@ -174,6 +207,8 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             notes.append(text)
         for m in METRICS:
             row[m] = summary([r[m] for r in rs if r[m] is not None])
+        verdicts = [r["standing"] for r in rs if r.get("standing")]
+        row["standing"] = ", ".join(f"{verdicts.count(v)} {v}" for v in dict.fromkeys(verdicts)) or None
         row["layers"] = [{"layer": layer, **{m: summary(_layer_values(rs, layer, m)) for m in LAYER_METRICS}}
                          for layer in _layer_ids(rs)]
         archs.append(row)
@@ -181,14 +216,14 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             notes.append(f"{label}: the value probe is at its ceiling (accuracy ≥ {CEILING} in every layer of every "
                          f"run): it separates the classes perfectly, so it cannot tell these architectures apart "
                          f"(choose harder classes: collapse-report --words)")
-    correlations = []
-    for x, y in CORRELATE:
-        pairs = [(r[x], r[y]) for r in records if r[x] is not None and r[y] is not None]
-        correlations.append({"x": x, "y": y, **spearman([p[0] for p in pairs], [p[1] for p in pairs])})
     by_label = {label: [r for r in records if r["label"] == label] for label in labels}
+    correlations = [correlation(records, by_label, x, y, covariates or [], n_boot, seed, level) for x, y in CORRELATE]
+    margins = margins or {}
     pairwise = [{"metric": m, **p} for m in PAIRWISE
                 for p in _with_holm(_pairs(labels, lambda g, m=m: [r[m] for r in by_label[g] if r[m] is not None],
-                                           level))]
+                                           level, margins.get(m)))]
+    factor_rows = [row for name, (with_, without) in (factors or {}).items()
+                   for row in main_effects(name, with_, without, by_label, level, n_boot, seed)]
     pairwise_layers = [{"metric": m, "layer": layer, **p} for m in LAYER_METRICS for layer in _layer_ids(records)
                        for p in _pairs(labels, lambda g, m=m, layer=layer: _layer_values(by_label[g], layer, m),
                                        level)]
@@ -198,8 +233,127 @@ def compare(paths: list[str | Path], target: str | None = None, level: float = 0
             "at_tokens": at_tokens,
             "curvature_operator": next(iter(operators), None), "metrics": metric_labels(next(iter(operators), None)),
             "reports": chosen, "runs": records, "archs": archs, "correlations": correlations,
-            "pairwise": pairwise, "pairwise_layers": pairwise_layers, "missing": missing, "mismatch": mismatch,
-            "notes": notes}
+            "pairwise": pairwise, "pairwise_layers": pairwise_layers, "factors": factor_rows,
+            "margins": margins, "covariates": list(covariates or []), "matched_plasticity": matched,
+            "bootstrap": {"n_boot": n_boot, "seed": seed, "levels": "architectures, then seeds within each"},
+            "missing": missing, "mismatch": mismatch, "notes": notes}
+
+
+def check_statistics(margins: dict | None, covariates: list[str] | None, plasticity_level: float | None,
+                     n_boot: int) -> None:
+    """One line for an option of the comparison's statistics that cannot be used."""
+    for m, v in (margins or {}).items():
+        if m not in PAIRWISE:
+            raise UsageError(f"--margin {m}: not a compared metric", hint=f"choose from {', '.join(PAIRWISE)}")
+        if not (isinstance(v, (int, float)) and v > 0 and v == v and v != float("inf")):
+            raise UsageError(f"--margin {m}={v}: the equivalence margin must be a positive number")
+    for c in covariates or []:
+        if c not in COVARIATES:
+            raise UsageError(f"--covariate {c}: not a run field", hint=did_you_mean(c, COVARIATES)
+                             or f"choose from {', '.join(COVARIATES)}")
+    if plasticity_level is not None and not plasticity_level > 0:
+        raise UsageError(f"--plasticity-level must be > 0, got {plasticity_level}")
+    if not 100 <= n_boot <= 10**6:
+        raise UsageError(f"--boot must be between 100 and 1,000,000 replicates, got {n_boot}")
+
+
+def match_plasticity(records: list[dict], level: float | None) -> dict:
+    """Each run's ``forgetting_matched``: its forgetting where its fine-tune's plasticity first reaches ``level``
+    (linear between curve points; :func:`cemtool.analysis.stats.at_matched`). Default level: the lowest of the
+    runs' largest plasticities, so that every fine-tune reaches it [decision: the comparison needs no
+    extrapolation; docs/sweep.md]. Forgetting and plasticity rise together along a fine-tune, so at matched
+    plasticity architectures are compared at equal progress on the target rather than after equal steps."""
+    curves = {r["run"]: r.get("forgetting_curve") for r in records if r.get("forgetting_curve")}
+    out = {"level": None, "rule": "given" if level is not None else "lowest peak plasticity of the runs",
+           "unreached": [], "note": None}
+    if not curves:
+        return out
+    if level is None:
+        level = min(max(p for p, _ in c) for c in curves.values())
+    if not level > 0:
+        out["note"] = ("forgetting at matched plasticity is not defined: some fine-tune never gained on its target "
+                       "(peak plasticity <= 0)")
+        return out
+    out["level"] = float(level)
+    for r in records:
+        c = curves.get(r["run"])
+        r["forgetting_matched"] = at_matched(c, level) if c else None
+        if c and r["forgetting_matched"] is None:
+            out["unreached"].append(r["run"])
+    if out["unreached"]:
+        out["note"] = (f"{len(out['unreached'])} fine-tune(s) never reach plasticity {level:.4g}: no forgetting at "
+                       f"matched plasticity for them")
+    return out
+
+
+def correlation(records: list[dict], by_label: dict[str, list[dict]], x: str, y: str, covariates: list[str],
+                n_boot: int, seed: int, level: float) -> dict:
+    """Spearman's rho of x and y across runs; across architecture means (``arch_level``: exact permutation p for up
+    to 9 architectures, and the two-level bootstrap interval, resampling architectures and then their seeds);
+    and partial correlations given the covariates at both levels."""
+    both = [r for r in records if r[x] is not None and r[y] is not None]
+    out = {"x": x, "y": y, **spearman([r[x] for r in both], [r[y] for r in both])}
+    groups = {g: [(r[x], r[y]) for r in rs if r[x] is not None and r[y] is not None] for g, rs in by_label.items()}
+    groups = {g: v for g, v in groups.items() if v}
+    means = {g: (sum(p[0] for p in v) / len(v), sum(p[1] for p in v) / len(v)) for g, v in groups.items()}
+    arch = spearman([m[0] for m in means.values()], [m[1] for m in means.values()])
+    arch = {"rho": arch["rho"], "p": arch["p"], "p_method": arch["p_method"], "n_archs": len(means),
+            "n_runs": len(both), "note": arch["note"]}
+    if arch["rho"] is not None:
+        arch.update(hierarchical_bootstrap(groups, spearman_of_means, n_boot=n_boot, seed=seed, level=level))
+    out["arch_level"] = arch
+    given = [c for c in covariates if c not in (x, y)]
+    if given:
+        full = [r for r in both if all(r.get(c) is not None for c in given)]
+        out["partial"] = partial_spearman([r[x] for r in full], [r[y] for r in full],
+                                          {c: [r[c] for r in full] for c in given})
+        labels = [g for g in by_label if any(r in full for r in by_label[g])]
+        mean = {g: {k: _mean([r[k] for r in by_label[g] if r in full]) for k in (x, y, *given)} for g in labels}
+        out["partial_arch_level"] = partial_spearman([mean[g][x] for g in labels], [mean[g][y] for g in labels],
+                                                     {c: [mean[g][c] for g in labels] for c in given})
+    return out
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v)
+
+
+def main_effects(name: str, with_: list[str], without: list[str] | None, by_label: dict[str, list[dict]],
+                 level: float, n_boot: int, seed: int) -> list[dict]:
+    """A factor's main effect on each compared metric with the architecture as the unit: the mean over the groups
+    with the factor of their means minus the same over the groups without it, a Welch interval over those group
+    means (the seeds of one architecture are not independent evidence about the factor) and the two-level
+    bootstrap interval of the same difference."""
+    unknown = [g for g in [*with_, *(without or [])] if g not in by_label]
+    if unknown:
+        raise UsageError(f"--factor {name}: no group {unknown[0]!r} in this comparison",
+                         hint=did_you_mean(unknown[0], list(by_label)) or f"groups: {', '.join(by_label)}")
+    without = without if without is not None else [g for g in by_label if g not in with_]
+    out = []
+    for m in PAIRWISE:
+        mean_of = {g: _mean(v) for g in [*with_, *without]
+                   if (v := [r[m] for r in by_label[g] if r[m] is not None])}
+        a, b = [mean_of[g] for g in with_ if g in mean_of], [mean_of[g] for g in without if g in mean_of]
+        if not a or not b:
+            continue
+        row = {"factor": name, "metric": m, "with": [g for g in with_ if g in mean_of],
+               "without": [g for g in without if g in mean_of], **welch(a, b, level)}
+        groups = {f"{side}:{g}": [(float(side == "with"), r[m]) for r in by_label[g] if r[m] is not None]
+                  for side, gs in (("with", row["with"]), ("without", row["without"])) for g in gs}
+        boot = hierarchical_bootstrap(groups, _difference_of_sides, n_boot=n_boot, seed=seed, level=level,
+                                      strata={g: g.split(":", 1)[0] for g in groups})
+        row.update(boot_lo=boot["lo"], boot_hi=boot["hi"], boot_undefined=boot["undefined"])
+        out.append(row)
+    for p, adj in zip(out, holm([p["p"] for p in out]), strict=True):
+        p["p_holm"] = adj
+    return out
+
+
+def _difference_of_sides(means) -> float | None:
+    """mean of the 'with' groups' means minus mean of the 'without' groups' (each mean tagged 1.0 / 0.0)."""
+    w = [m[1] for m in means if m[0] == 1.0]
+    wo = [m[1] for m in means if m[0] == 0.0]
+    return _mean(w) - _mean(wo) if w and wo else None
 
 
 def duplicate_seed_text(label: str, runs: list[dict], seeds: list[int]) -> str:
@@ -245,13 +399,14 @@ def curvature_notes(records: list[dict]) -> list[str]:
             f"measured loss and λ_max alone understates the curvature"]
 
 
-def _pairs(labels: list[str], values_of, level: float) -> list[dict]:
-    """Welch intervals of mean_a - mean_b for every two groups that both have values (``values_of(label)``)."""
+def _pairs(labels: list[str], values_of, level: float, margin: float | None = None) -> list[dict]:
+    """Welch intervals of mean_a - mean_b for every two groups that both have values (``values_of(label)``), with
+    the TOST equivalence test at ``margin`` when one is given."""
     out = []
     for a, b in itertools.combinations(labels, 2):
         va, vb = values_of(a), values_of(b)
         if va and vb:
-            out.append({"a": a, "b": b, **welch(va, vb, level)})
+            out.append({"a": a, "b": b, **welch(va, vb, level), **(tost(va, vb, margin, level) if margin else {})})
     return out
 
 
@@ -334,7 +489,8 @@ def flat_arch_rows(payload: dict) -> list[dict]:
 
 
 def run_rows(payload: dict) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in ("reports", "layers", "settings", "other_reports")}
+    return [{k: v for k, v in r.items() if k not in ("reports", "layers", "settings", "other_reports",
+                                                     "forgetting_curve")}
             for r in payload["runs"]]
 
 
@@ -389,6 +545,7 @@ def markdown(payload: dict) -> str:
         md += [f"## Pairwise differences (a - b, Welch t {payload['level']:.0%} intervals)", "",
                markdown_table([{k: p.get(k) for k in ("metric", "a", "b", "diff", "lo", "hi", "df", "p", "p_holm",
                                                       "mde", "n_a", "n_b")} for p in payload["pairwise"]])]
+    md += statistics_markdown(payload)
     layer_cols, layer_rows = layer_table(payload)
     if layer_rows:
         md += [f"## Per layer (collapse report; {SPREAD})", "",
@@ -402,6 +559,39 @@ def markdown(payload: dict) -> str:
     if miss or payload["notes"]:
         md += ["## Missing", "", *miss, *[f"- {n}" for n in payload["notes"]], ""]
     return "\n".join(md)
+
+
+def statistics_markdown(payload: dict) -> list[str]:
+    """compare.md's sections on equivalence, architecture-level and partial correlations, matched plasticity and
+    main effects (those the comparison has)."""
+    md = []
+    margins = payload.get("margins") or {}
+    if margins:
+        md += ["## Equivalence (TOST, Welch)", "",
+               markdown_table([{k: p.get(k) for k in ("metric", "a", "b", "diff", "margin", "lo90", "hi90", "p_tost",
+                                                      "equivalent")} for p in payload["pairwise"]
+                               if p["metric"] in margins])]
+    rows = [{"x": c["x"], "y": c["y"], **{k: (c.get("arch_level") or {}).get(k)
+                                         for k in ("rho", "p", "lo", "hi", "n_archs", "n_runs")},
+             "partial (runs)": (c.get("partial") or {}).get("rho"),
+             "partial p": (c.get("partial") or {}).get("p"),
+             "partial (archs)": (c.get("partial_arch_level") or {}).get("rho")} for c in payload["correlations"]]
+    if any(r["rho"] is not None for r in rows):
+        given = ", ".join(payload.get("covariates") or []) or "none"
+        md += ["## Correlations across architecture means", "",
+               f"Spearman over the architectures' means; lo/hi: {payload['level']:.0%} two-level bootstrap "
+               f"(architectures, then seeds; {payload['bootstrap']['n_boot']} replicates); partial: given {given}.",
+               "", markdown_table(rows)]
+    m = payload.get("matched_plasticity") or {}
+    if m.get("level") is not None:
+        md += [f"Forgetting at matched plasticity: each fine-tune's forgetting where its plasticity first reaches "
+               f"{m['level']:.4g} ({m['rule']}).", ""]
+    if payload.get("factors"):
+        md += [f"## Main effects (architecture as the unit, {payload['level']:.0%})", "",
+               markdown_table([{k: f.get(k) for k in ("factor", "metric", "diff", "lo", "hi", "boot_lo", "boot_hi",
+                                                      "p", "p_holm", "mde", "n_a", "n_b")}
+                               for f in payload["factors"]])]
+    return md
 
 
 def write_compare(payload: dict, out: str | Path) -> dict[str, Path]:

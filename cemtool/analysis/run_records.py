@@ -25,7 +25,8 @@ METRICS = {"val_loss": "val loss", "val_bpb": "val bits/byte", "val_ppl": "val p
            "flops_per_token": "FLOPs/token", "lambda_max": "λ_max",
            "lambda_min": "λ_min", "trace_per_param": "tr(H)/n", "trace": "tr(H)",
            "asam": "adaptive sharpness (ASAM, scale-invariant)", "sam": "SAM sharpness", "forgetting": "forgetting",
-           "plasticity": "plasticity", "value_entropy": "H(values) last", "separability": "probe(values) last"}
+           "plasticity": "plasticity", "forgetting_matched": "forgetting at matched plasticity",
+           "value_entropy": "H(values) last", "separability": "probe(values) last"}
 
 
 def metric_labels(operator: str | None = None) -> dict[str, str]:
@@ -167,6 +168,16 @@ def _forgetting_of(children: set[Path]) -> dict[str, tuple[Path, dict]]:
     return out
 
 
+def _curve(report: dict) -> list[list[float]]:
+    """A fine-tune's (plasticity, forgetting) so far at each point of its curve, from step 0 (0, 0) on."""
+    before = report.get("before") or {}
+    if before.get("target_loss") is None or before.get("source_loss") is None:
+        return []
+    return [[before["target_loss"] - p["target_loss"], p["source_loss"] - before["source_loss"]]
+            for p in report.get("curve") or [] if p.get("target_loss") is not None
+            and p.get("source_loss") is not None]
+
+
 def _evaluation(run, meta: dict, at_tokens: int | None) -> dict:
     """val_loss, val_bpb, val_ppl and val_tokens: the final evaluation (meta.json, else the last row of
     metrics.jsonl), or with ``at_tokens`` the last evaluation at or before that many training tokens. val_bpb is
@@ -230,7 +241,7 @@ def collect(paths: list[str | Path], target: str | None = None, at_tokens: int |
             continue
         item = finder.study_items.get(u, {})
         configs[str(u)] = run_settings(to_dict(cfg), get_arch(cfg.model.arch).family)
-        rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed,
+        rec: dict = {"run": str(u), "label": None, "arch": cfg.model.arch, "seed": cfg.seed, "lr": cfg.train.lr,
                      **_evaluation(run, meta, at_tokens), "val_floor": meta.get("val_floor"),
                      "tokens": meta.get("tokens")}
         if at_tokens is not None and rec["val_tokens"] is None:
@@ -256,7 +267,7 @@ def collect(paths: list[str | Path], target: str | None = None, at_tokens: int |
         reports["forgetting"] = str(f[0]) if f else None
         if f:
             rec.update(forgetting=f[1]["forgetting"], plasticity=f[1]["plasticity"], forgetting_target=target,
-                       forgetting_run=str(f[0].parent.parent))
+                       forgetting_run=str(f[0].parent.parent), forgetting_curve=_curve(f[1]))
         for k in METRICS:
             rec.setdefault(k, None)
         rec.setdefault("layers", [])

@@ -1,6 +1,8 @@
 """The statistics of a comparison across runs (METHODS §7): Spearman's rank correlation with an exact permutation
 p-value for few runs, the Welch t interval of a difference of means with its minimum detectable effect, Holm's
-adjustment of a family of p-values, and a group's mean and standard deviation.
+adjustment of a family of p-values, a group's mean and standard deviation, the Welch equivalence test (TOST),
+Spearman's partial correlation given covariates, a two-level (architectures, then seeds) bootstrap, and a
+curve's value at a matched abscissa (forgetting at matched plasticity).
 """
 
 from __future__ import annotations
@@ -108,3 +110,128 @@ def summary(values: list[float]) -> dict | None:
         return None
     return {"mean": float(np.mean(values)), "std": float(np.std(values, ddof=1)) if len(values) > 1 else None,
             "n": len(values)}
+
+
+def _welch_se_df(a: list[float], b: list[float]) -> tuple[float, float]:
+    va, vb = float(np.var(a, ddof=1)) / len(a), float(np.var(b, ddof=1)) / len(b)
+    se = math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if se > 0 else math.inf
+    return se, df
+
+
+def tost(a: list[float], b: list[float], margin: float, level: float = 0.95) -> dict:
+    """Welch two one-sided tests (Schuirmann 1987) of equivalence within ``margin``: H0 |mean_a - mean_b| >= margin
+    against |mean_a - mean_b| < margin. p = max(p of diff > -margin, p of diff < +margin), each a one-sided Welch t
+    test at the Welch–Satterthwaite df; ``equivalent`` when p < 1 - level, i.e. when the 1 - 2(1 - level) interval
+    (``lo90``, ``hi90`` at the default level) lies inside (-margin, +margin). None values below 2 runs per group."""
+    from scipy import stats  # start-up: ~0.75 s
+
+    if not margin > 0:
+        raise ValueError(f"the equivalence margin must be > 0, got {margin}")
+    out = {"margin": margin, "p_tost": None, "equivalent": None, "lo90": None, "hi90": None}
+    if len(a) < 2 or len(b) < 2:
+        return out
+    d = float(np.mean(a) - np.mean(b))
+    se, df = _welch_se_df(a, b)
+    alpha = 1 - level
+    if se == 0:
+        inside = abs(d) < margin
+        return {**out, "p_tost": 0.0 if inside else 1.0, "equivalent": inside, "lo90": d, "hi90": d}
+    p_low = float(stats.t.sf((d + margin) / se, df))  # H0: diff <= -margin
+    p_high = float(stats.t.cdf((d - margin) / se, df))  # H0: diff >= +margin
+    half = float(stats.t.ppf(1 - alpha, df)) * se
+    p = max(p_low, p_high)
+    return {**out, "p_tost": p, "equivalent": p < alpha, "lo90": d - half, "hi90": d + half}
+
+
+def _ranks(v) -> np.ndarray:
+    from scipy import stats  # start-up: ~0.75 s
+
+    return stats.rankdata(np.asarray(v, dtype=float))
+
+
+def partial_spearman(x: list[float], y: list[float], covariates: dict[str, list[float]]) -> dict:
+    """Spearman's partial correlation of x and y given the covariates: the Pearson correlation of the residuals of
+    rank(x) and rank(y) after least squares on [1, rank(c) for each covariate]; two-sided p from t =
+    r sqrt(df / (1 - r²)) with df = n - 2 - k (k covariates). With one covariate it equals
+    (r_xy - r_xz r_yz) / sqrt((1 - r_xz²)(1 - r_yz²)) on the ranks. None below k + 3 points."""
+    from scipy import stats  # start-up: ~0.75 s
+
+    n, k = len(x), len(covariates)
+    out = {"rho": None, "p": None, "n": n, "given": sorted(covariates), "df": None, "note": None}
+    if n < k + 3:
+        return {**out, "note": f"needs at least {k + 3} points for {k} covariate(s)"}
+    design = np.column_stack([np.ones(n), *[_ranks(covariates[c]) for c in sorted(covariates)]])  # (n, 1 + k)
+
+    def residual(v):
+        r = _ranks(v)
+        coef, *_ = np.linalg.lstsq(design, r, rcond=None)
+        return r - design @ coef  # (n,)
+
+    rx, ry = residual(x), residual(y)
+    if np.allclose(rx, 0) or np.allclose(ry, 0):
+        return {**out, "note": "a variable is explained entirely by the covariates"}
+    r = float(np.dot(rx, ry) / (np.linalg.norm(rx) * np.linalg.norm(ry)))
+    df = n - 2 - k
+    t = r * math.sqrt(df / max(1e-300, 1 - r * r))
+    return {**out, "rho": r, "p": float(2 * stats.t.sf(abs(t), df)), "df": df}
+
+
+def hierarchical_bootstrap(groups: dict[str, list[tuple[float, float]]], statistic, n_boot: int = 2000,
+                           seed: int = 0, level: float = 0.95, strata: dict[str, str] | None = None) -> dict:
+    """A two-level bootstrap for statistics over groups (architectures) of paired runs (x, y): each replicate
+    draws the groups with replacement, then each drawn group's runs with replacement, and applies
+    ``statistic(list of (mean x, mean y) per drawn group)``. Returns the percentile interval at ``level``, the
+    replicates' standard deviation and how many replicates gave no value (a constant input). Resampling the
+    architectures is what makes the interval an architecture-level one: the seeds of one architecture are not
+    independent evidence about the relation across architectures (Saravanan et al. 2020). ``strata`` (group ->
+    stratum): groups are drawn within their stratum, as many as it holds (a main effect: the groups with a factor
+    and those without it stay two samples of their own sizes)."""
+    rng = np.random.default_rng(seed)
+    names = sorted(groups)
+    arrays = [np.asarray(groups[g], dtype=float) for g in names]  # each (n_g, 2)
+    layers = {}
+    for i, g in enumerate(names):
+        layers.setdefault((strata or {}).get(g), []).append(i)
+    values = []
+    for _ in range(n_boot):
+        means = []
+        drawn = [members[j] for members in layers.values()
+                 for j in rng.integers(0, len(members), size=len(members))]
+        for gi in drawn:
+            runs = arrays[gi]
+            pick = runs[rng.integers(0, len(runs), size=len(runs))]  # (n_g, 2)
+            means.append(pick.mean(axis=0))
+        v = statistic(means)
+        if v is not None and math.isfinite(v):
+            values.append(v)
+    if not values:
+        return {"lo": None, "hi": None, "se": None, "n_boot": n_boot, "undefined": n_boot, "seed": seed}
+    lo, hi = np.quantile(values, [(1 - level) / 2, 1 - (1 - level) / 2])
+    return {"lo": float(lo), "hi": float(hi), "se": float(np.std(values, ddof=1)) if len(values) > 1 else None,
+            "n_boot": n_boot, "undefined": n_boot - len(values), "seed": seed}
+
+
+def spearman_of_means(means) -> float | None:
+    """Spearman's rho over (x, y) pairs of group means; None when either is constant (a bootstrap replicate
+    that drew one architecture only)."""
+    from scipy import stats  # start-up: ~0.75 s
+
+    m = np.asarray(means, dtype=float)
+    if len(m) < 3 or np.ptp(m[:, 0]) == 0 or np.ptp(m[:, 1]) == 0:
+        return None
+    return float(stats.spearmanr(m[:, 0], m[:, 1]).statistic)
+
+
+def at_matched(curve: list[tuple[float, float]], level: float) -> float | None:
+    """y at the first point where x reaches ``level`` along a curve of (x, y) points in order (linear between the
+    two points around the crossing): forgetting at a given plasticity on one fine-tune's curve. None if the curve
+    never reaches it."""
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:], strict=False):
+        if x0 >= level:
+            return float(y0)
+        if x1 >= level:
+            return float(y0 + (y1 - y0) * (level - x0) / (x1 - x0))
+    if curve and curve[-1][0] >= level:
+        return float(curve[-1][1])
+    return None

@@ -10,6 +10,7 @@ import typer
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
+from cemtool.errors import UsageError
 
 
 def _num(v) -> str:
@@ -53,7 +54,71 @@ def print_compare(payload: dict) -> None:
         console.table(f"pairwise differences (Welch t {level} intervals over seeds; p Holm: adjusted over the "
                       f"metric's pairs; MDE: 80%-power detectable difference where the interval holds 0)",
                       ["metric", "a - b", "diff", f"{level} CI", "p", "p Holm", "MDE", "n", "note"], pairs)
+    print_statistics(payload, names)
     print_notes(payload)
+
+
+def print_statistics(payload: dict, names: dict) -> None:
+    """The tables of the study statistics: TOST, architecture-level and partial correlations, main effects."""
+    level = f"{payload['level']:.0%}"
+    margins = payload.get("margins") or {}
+    if margins:
+        rows = [[names[p["metric"]], f"{p['a']} - {p['b']}", _num(p["diff"]), f"±{_num(p['margin'])}",
+                 "" if p.get("lo90") is None else f"[{_num(p['lo90'])}, {_num(p['hi90'])}]", _num(p.get("p_tost")),
+                 {True: "equivalent", False: "not shown equivalent", None: ""}[p.get("equivalent")]]
+                for p in payload["pairwise"] if p["metric"] in margins]
+        console.table(f"equivalence (TOST, Welch: equivalent when the {1 - 2 * (1 - payload['level']):.0%} "
+                      f"interval lies inside ±margin)", ["metric", "a - b", "diff", "margin", "interval", "p TOST",
+                                                          "verdict"], rows)
+    rows = []
+    for c in payload["correlations"]:
+        a = c.get("arch_level") or {}
+        part = c.get("partial_arch_level") or {}
+        rows.append([f"{names[c['x']]} vs {names[c['y']]}", _num(a.get("rho")), _num(a.get("p")),
+                     "" if a.get("lo") is None else f"[{_num(a['lo'])}, {_num(a['hi'])}]", str(a.get("n_archs", "")),
+                     _num((c.get("partial") or {}).get("rho")), _num(part.get("rho")), a.get("note") or ""])
+    given = ", ".join(payload.get("covariates") or []) or "-"
+    console.table(f"Spearman across architecture means ({level} two-level bootstrap: architectures, then seeds); "
+                  f"partial given {given}: over runs and over architecture means",
+                  ["pair", "rho (archs)", "p", f"{level} bootstrap", "archs", "partial (runs)", "partial (archs)",
+                   "note"], rows)
+    m = payload.get("matched_plasticity") or {}
+    if m.get("level") is not None:
+        console.result(f"forgetting at matched plasticity: each fine-tune's forgetting where its plasticity first "
+                       f"reaches {m['level']:.4g} ({m['rule']})")
+    if payload.get("factors"):
+        rows = [[f["factor"], names[f["metric"]], _num(f["diff"]),
+                 "" if f["lo"] is None else f"[{_num(f['lo'])}, {_num(f['hi'])}]",
+                 "" if f.get("boot_lo") is None else f"[{_num(f['boot_lo'])}, {_num(f['boot_hi'])}]", _num(f["p"]),
+                 _num(f.get("p_holm")), _num(f.get("mde")), f"{f['n_a']}/{f['n_b']}"] for f in payload["factors"]]
+        console.table(f"main effects (mean of the architectures' means with the factor minus without; Welch over "
+                      f"architecture means, {level})", ["factor", "metric", "effect", "Welch CI", "bootstrap CI",
+                                                         "p", "p Holm", "MDE", "archs"], rows)
+
+
+def parse_margins(items: list[str] | None) -> dict[str, float]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise UsageError(f"--margin {item!r}: give METRIC=MARGIN, e.g. val_loss=0.01") from None
+    return out
+
+
+def parse_factors(items: list[str] | None) -> dict[str, tuple[list[str], list[str] | None]]:
+    out = {}
+    for item in items or []:
+        name, sep, groups = item.partition("=")
+        with_, slash, without = groups.partition("/")
+        split = lambda t: [g.strip() for g in t.split(",") if g.strip()]  # noqa: E731
+        if not sep or not name.strip() or not split(with_) or (slash and not split(without)):
+            raise UsageError(f"--factor {item!r}: give NAME=GROUP,GROUP[/GROUP,GROUP]")
+        out[name.strip()] = (split(with_), split(without) if slash else None)
+    return out
 
 
 @app.command()
@@ -77,6 +142,22 @@ def compare(
     strict: Annotated[bool, typer.Option("--strict", help="refuse reports measured with different settings and "
                                                           "runs of one architecture that share a seed (default: "
                                                           "compare them and flag it)")] = False,
+    margin: Annotated[Optional[list[str]], typer.Option("--margin", help="METRIC=MARGIN (repeatable): an "
+                                                       "equivalence test (TOST) at that margin beside the metric's "
+                                                       "intervals, e.g. val_loss=0.01")] = None,
+    covariate: Annotated[Optional[list[str]], typer.Option("--covariate", help="partial correlations given this "
+                                                           "run field (repeatable): lr, plasticity, val_loss, ...")]
+    = None,
+    factor: Annotated[Optional[list[str]], typer.Option("--factor", help="NAME=GROUP,...[/GROUP,...] (repeatable): "
+                                                        "the main effect of a factor the first groups have and the "
+                                                        "others (default every other group) lack, with the "
+                                                        "architecture as the unit")] = None,
+    plasticity_level: Annotated[Optional[float], typer.Option("--plasticity-level", help="where forgetting is "
+                                                              "matched (default: the lowest plasticity every "
+                                                              "fine-tune reaches)")] = None,
+    boot: Annotated[int, typer.Option("--boot", help="replicates of the two-level bootstrap (architectures, then "
+                                                     "seeds)")] = 2000,
+    seed: Annotated[int, typer.Option("--seed", help="seed of the bootstrap")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no tables: print only the notes and the files "
                                                               "written")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print compare.json instead of the tables")] = False,
@@ -85,13 +166,17 @@ def compare(
     perplexity), parameters, FLOPs/token, λ_max, λ_min, tr(H)/n, forgetting, plasticity, value entropy and
     separability of the last layer and of every layer (mean ± std over seeds: the sample standard deviation, in
     the tables and figures alike); Spearman correlations of sharpness
-    with forgetting; pairwise differences with Welch intervals. Reports measured with different settings are
-    flagged (--strict: refused), and so are runs of one architecture that share a seed."""
+    with forgetting, over runs and over architecture means (two-level bootstrap), partial given --covariate;
+    pairwise differences with Welch intervals, Holm-adjusted p, the MDE and (--margin) a TOST; forgetting at
+    matched plasticity; main effects of --factor with the architecture as the unit. Reports measured with
+    different settings are flagged (--strict: refused), and so are runs of one architecture that share a seed."""
     from cemtool.analysis.compare import compare as compare_runs  # start-up: torch
     from cemtool.analysis.compare import write_compare  # start-up: torch
 
     payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens,
-                           names={"sharpness": sharpness, "collapse": collapse}, strict=strict)
+                           names={"sharpness": sharpness, "collapse": collapse}, strict=strict,
+                           margins=parse_margins(margin), covariates=covariate, factors=parse_factors(factor),
+                           plasticity_level=plasticity_level, n_boot=boot, seed=seed)
     if out is None:
         out = paths[0] if len(paths) == 1 and (paths[0] / "study.json").is_file() else Path("compare")
     written = write_compare(payload, out)
