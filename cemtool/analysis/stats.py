@@ -84,7 +84,6 @@ def welch_mde(sd_a: float, n_a: int, sd_b: float, n_b: int, alpha: float = 0.05,
     Solved exactly on the noncentral t: with SE = sqrt(sd_a²/n_a + sd_b²/n_b), df by Welch–Satterthwaite and
     t_c = t_{1-α/2, df}, the δ where P(T > t_c) + P(T < -t_c) = power for T ~ nct(df, δ/SE) (the approximation
     (t_c + t_power)·SE is 4% low at df = 2). None below 2 runs per group."""
-    from scipy import optimize, stats  # start-up: ~0.75 s
 
     if n_a < 2 or n_b < 2:
         return None
@@ -95,6 +94,16 @@ def welch_mde(sd_a: float, n_a: int, sd_b: float, n_b: int, alpha: float = 0.05,
     if se == 0:
         return 0.0
     df = (va + vb) ** 2 / (va ** 2 / (n_a - 1) + vb ** 2 / (n_b - 1))
+    return t_mde(se, df, alpha, power)
+
+
+def t_mde(se: float, df: float, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The minimum detectable effect of a two-sided t test with standard error ``se`` on ``df`` degrees of
+    freedom (:func:`welch_mde`'s solve; a paired or one-sample test: se = sd / sqrt(n), df = n - 1)."""
+    from scipy import optimize, stats  # start-up: ~0.75 s
+
+    if se == 0:
+        return 0.0
     t_c = stats.t.ppf(1 - alpha / 2, df)
 
     def shortfall(nc: float) -> float:

@@ -26,6 +26,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from scipy import stats
@@ -34,26 +35,21 @@ from cemtool.analysis.compare import collect, spearman, welch
 from cemtool.errors import CemtoolError
 from cemtool.writes import atomic_write_json, atomic_write_text
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # research/scripts: the re-issued verdicts' module
+import verdicts_v2 as v2  # noqa: E402, I001
+from verdicts_v2 import Values, same_seeds  # noqa: E402,F401  (Values: the findings' groups; tests use F.Values)
+
 DELTA = 0.01  # nats: the non-inferiority margin of "matches" claims
 PARTS = {"grammar": "grammar corpus, AdamW", "grammar-muon": "grammar corpus, Muon for the blocks' matrices",
-         "pydoc": "Python docs (BPE 1,024), AdamW"}
+         "pydoc": "Python docs (BPE 1,024), AdamW",
+         "stdlib": "the standard library's source (BPE 1,024), >= 20 tokens per parameter, AdamW"}
 SPECIAL = {"baseline-wide", "baseline-cem-size", "baseline-lime-flops", "early-heavy", "late-lowrank",
-           "late-lowrank-75", "depth12"}  # studies that hold a variant of an architecture, not its default
+           "late-lowrank-75", "depth12", "tmm-zero", "hb-zero", "nesterov-zero"}  # studies that hold a variant of an
+# architecture, not its default (the -zero studies: the streams zero-initialised, the stdlib part's control)
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
 MOMENTUM_ONLY = ["hb", "nesterov", "tmm"]  # momentum, no preconditioning
 PRECOND_ONLY = ["rmsprop", "shampoo", "ortho"]  # preconditioning (or orthogonalisation), no momentum
 WITH_MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "muon", "soap"]  # every variant that carries momentum
-
-
-class Values(list):
-    """A group's values with the seed of each (runs with the same seed saw the same batches in the same order)."""
-
-    def __init__(self, values, seeds):
-        super().__init__(values)
-        self.seeds = list(seeds)
-
-    def by_seed(self) -> dict[int, float]:
-        return dict(zip(self.seeds, self, strict=True))
 
 
 def finished_study(path: Path) -> bool:
@@ -116,14 +112,6 @@ class Part:
 
 # --------------------------------------------------------------------------------------------------------------
 # statistics and formatting
-
-
-def same_seeds(*groups) -> bool:
-    """Every group is a Values over the same seeds (at least 2), each seed once."""
-    if not all(isinstance(g, Values) for g in groups):
-        return False
-    seeds = [sorted(g.seeds) for g in groups]
-    return len(seeds[0]) >= 2 and len(set(seeds[0])) == len(seeds[0]) and all(s == seeds[0] for s in seeds)
 
 
 def diff(a: list[float], b: list[float]) -> dict | None:
@@ -787,6 +775,9 @@ def agreement_markdown(out: dict) -> list[str]:
 def main(argv: list[str]) -> int:
     root = Path(argv[1] if len(argv) > 1 else "runs/findings")
     out, md = {}, [f"# Findings from {root}", ""]
+    reissued: list[str] = []
+    regimes: dict[str, dict] = {}
+    here = SimpleNamespace(**globals())  # this module, for the re-issued verdicts (its groups and constants)
     for name, what in PARTS.items():
         part = Part(root, name)
         if not part.groups:
@@ -807,10 +798,18 @@ def main(argv: list[str]) -> int:
         md += tuning_markdown(out[name]["tuning"])
         out[name]["compute"] = compute_time(part.root)
         md += compute_markdown(out[name]["compute"])
+        again = v2.reissue(part, here, root, name)
+        out[name]["reissued"] = v2.rows_json(again)
+        reissued += v2.markdown(f"{name}: {what}", again, {r["claim"].split(".")[0]: r["verdict"] for r in rows})
+        out[name]["regime"] = regimes[name] = v2.regime(part)
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)
         return 1
     md += agreement_markdown(out)
+    md += ["## Re-issued verdicts (second rules)", "", "The same records under the second rules "
+           "(research/scripts/verdicts_v2.py): Holm per part, the MDE beside every unresolved test, equivalence "
+           "tests for \"matches\" claims, the architecture as the unit for claims about classes of architectures, "
+           "and both readings where the metric is a choice.", "", *v2.regime_markdown(regimes), *reissued]
     atomic_write_json(root / "findings.json", out)
     atomic_write_text(root / "findings.md", "\n".join(md) + "\n")
     print("\n".join(md))

@@ -7,7 +7,8 @@ research/scripts/findings.py).
 The blocks are the text between `<!-- NAME -->` and `<!-- /NAME -->`; everything else in DOC is prose and is kept.
 TABLE: the grammar part's verdict table and its details. TUNING: the learning rates chosen and the compute lines of
 every part. MUON and PYDOC: those parts' tables and details (NOT_YET while the part has no finished comparison).
-AGREE: where each part's verdicts agree with the grammar part's. research/tests/test_findings.py checks that
+AGREE: where each part's verdicts agree with the grammar part's. REISSUED: every part's verdicts re-issued under the
+second rules (research/scripts/verdicts_v2.py). research/tests/test_findings.py checks that
 research/docs/findings.md equals what this writes from research/sample_runs/findings, so the document cannot
 drift from the runs it cites.
 """
@@ -38,6 +39,8 @@ def parts(generated: str) -> dict[str, str]:
     for m, nxt in zip(heads, heads[1:] + [None], strict=True):
         text = generated[m.start():nxt.start() if nxt else len(generated)]
         name = "agree" if m.group(1).startswith("Where the parts agree") else m.group(1).split(":")[0]
+        if name in out:  # a later section of the same name (none today): keep the first
+            continue
         out[name] = text
     return out
 
@@ -78,7 +81,9 @@ def fill(doc: str, generated: str) -> str:
     doc = put(doc, "TUNING", tuning)
     for name, marker in (("grammar-muon", "MUON"), ("pydoc", "PYDOC")):
         doc = put(doc, marker, part_table(ps[name]) if name in ps else NOT_YET)
-    return put(doc, "AGREE", pick(ps["agree"], "Each claim's verdict") if "agree" in ps else NOT_YET)
+    doc = put(doc, "AGREE", pick(ps["agree"], "Each claim's verdict") if "agree" in ps else NOT_YET)
+    again = next((text for name, text in ps.items() if name.startswith("Re-issued verdicts")), None)
+    return put(doc, "REISSUED", pick(again, "### ") if again else NOT_YET)
 
 
 def main(argv: list[str]) -> int:

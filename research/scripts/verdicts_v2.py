@@ -1,0 +1,530 @@
+"""The verdicts re-issued from the same records under the second set of rules (research/docs/findings.md "Re-issued
+verdicts"): no training, only the statistics changed.
+
+    python research/scripts/findings.py [STUDY]   (writes them beside the first table: findings.md, findings.json)
+
+What changed against the first rules (research/scripts/findings.py):
+
+- **Holm per part.** Every primary test of a part (one or two per claim, named in its row) is one family; a claim
+  is resolved by its Holm-adjusted p < 0.05, not by its own interval.
+- **Nulls carry their MDE**: an unresolved difference is "not resolved" with the 80%-power minimum detectable
+  effect of its own test (noncentral t, cemtool.analysis.stats.t_mde), never "no difference".
+- **"Matches" claims are equivalence tests**: two one-sided tests at the margin DELTA = 0.01 nats (TOST; the
+  90% interval inside ±DELTA), or a resolved gain; the first rules' one-sided "upper end below DELTA" is kept in the
+  first table.
+- **The architecture is the unit** where a claim is about a class of architectures (claims 5-8): the class's
+  architecture means against vanilla's seeds (Welch), and the factorial main effects of claim 5 over architecture
+  means; the first rules pooled every run of the class.
+- **Both readings where the metric is a choice**: claim 6 reads tr(H)/n and the total trace, and states where the
+  models stand (the stationarity certificate recomputed from each sharpness report's ‖g‖, λ_max and λ_min);
+  claim 7 reads forgetting after the fine-tune and at matched plasticity (each fine-tune's curve read where its
+  plasticity first reaches the lowest peak plasticity of the runs compared); claim 9 reads the fall of the returns
+  with and without d_h = 2 (a 2-dim RoPE head has one rotation frequency: it aliases positions with or without
+  saturation).
+- **Claim 8 over architecture means**, with the two-level bootstrap (architectures, then seeds) and the partial
+  correlation given the learning rate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy import stats
+
+from cemtool.analysis.curvature.stationarity import certify
+from cemtool.analysis.stats import (
+    at_matched,
+    hierarchical_bootstrap,
+    holm,
+    partial_spearman,
+    spearman,
+    spearman_of_means,
+    t_mde,
+)
+
+ALPHA = 0.05
+
+
+class Values(list):
+    """A group's values with the seed of each (runs with the same seed saw the same batches in the same order)."""
+
+    def __init__(self, values, seeds):
+        super().__init__(values)
+        self.seeds = list(seeds)
+
+    def by_seed(self) -> dict[int, float]:
+        return dict(zip(self.seeds, self, strict=True))
+
+
+def same_seeds(*groups) -> bool:
+    """Every group is a Values over the same seeds (at least 2), each seed once."""
+    if not all(isinstance(g, Values) for g in groups):
+        return False
+    seeds = [sorted(g.seeds) for g in groups]
+    return len(seeds[0]) >= 2 and len(set(seeds[0])) == len(seeds[0]) and all(s == seeds[0] for s in seeds)
+
+
+@dataclass
+class Test:
+    """One test of a claim: the estimate, its 95% interval, p, the unit, and what the claim predicts."""
+
+    name: str
+    est: float | None
+    lo: float | None = None
+    hi: float | None = None
+    p: float | None = None
+    mde: float | None = None
+    unit: str = ""
+    kind: str = "direction"  # direction | equivalence | correlation
+    sign: int = -1  # the claimed sign of the estimate (-1: lower, +1: higher)
+    margin: float | None = None  # equivalence margin
+    p_tost: float | None = None
+    lo90: float | None = None
+    hi90: float | None = None
+    primary: bool = True  # in the part's Holm family
+    p_holm: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def family_p(self) -> float | None:
+        return self.p_tost if self.kind == "equivalence" else self.p
+
+    def resolved(self) -> bool:
+        return self.p_holm is not None and self.p_holm < ALPHA
+
+    def outcome(self) -> str:
+        """reproduced / opposite / unresolved for directional tests and correlations; equivalent / better / worse /
+        unresolved for equivalence tests (after Holm)."""
+        if self.est is None:
+            return "not run yet"
+        if self.kind == "equivalence":
+            if self.resolved():
+                return "equivalent"
+            p_dir = self.extra.get("p_holm_direction")
+            if p_dir is not None and p_dir < ALPHA:
+                return "better" if self.est < 0 else "worse"
+            return "unresolved"
+        if not self.resolved():
+            return "unresolved"
+        return "reproduced" if np.sign(self.est) == self.sign else "opposite"
+
+    def text(self, digits: int = 3) -> str:
+        if self.est is None:
+            return f"{self.name}: not run yet"
+        f = f"{{:+.{digits}f}}" if abs(self.est) >= 10 ** -digits or self.est == 0 else "{:+.2e}"
+        iv = "" if self.lo is None else f" [{f.format(self.lo)}, {f.format(self.hi)}]"
+        bits = [f"{self.name} {f.format(self.est)}{iv}"]
+        if self.p_holm is not None:
+            bits.append(f"p_Holm {self.p_holm:.2g}")
+        if self.kind == "equivalence" and self.lo90 is not None:
+            bits.append(f"90% [{f.format(self.lo90)}, {f.format(self.hi90)}] vs ±{self.margin}")
+        if self.outcome() == "unresolved" and self.mde is not None:
+            bits.append(f"MDE {self.mde:.2g}")
+        if self.unit:
+            bits.append(self.unit)
+        return "; ".join(bits[:1]) + (" (" + ", ".join(bits[1:]) + ")" if len(bits) > 1 else "")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the tests
+
+
+def _t_parts(est: float, se: float, df: float) -> dict:
+    if se == 0:
+        return {"lo": est, "hi": est, "p": 0.0 if est != 0 else 1.0, "mde": 0.0}
+    half = float(stats.t.ppf(0.975, df)) * se
+    return {"lo": est - half, "hi": est + half, "p": float(2 * stats.t.sf(abs(est) / se, df)),
+            "mde": t_mde(se, df)}
+
+
+def _se_df(groups: list[np.ndarray], signs: list[int]) -> tuple[float, float]:
+    terms = [g.var(ddof=1) / len(g) for g in groups]
+    se = math.sqrt(sum(terms))
+    df = sum(terms) ** 2 / sum(t ** 2 / (len(g) - 1) for t, g in zip(terms, groups, strict=True)) if se else math.inf
+    return se, df
+
+
+def difference(name: str, a, b, sign: int = -1, unit: str | None = None, margin: float | None = None,
+               primary: bool = True) -> Test:
+    """mean(a) - mean(b): paired by seed when both are Values of the same seeds, else Welch; with a margin, also the
+    TOST equivalence test on the same t (the test's kind is then equivalence)."""
+    if len(a) < 2 or len(b) < 2:
+        return Test(name, None, sign=sign, primary=primary, kind="equivalence" if margin else "direction",
+                    margin=margin)
+    if same_seeds(a, b):
+        ba, bb = a.by_seed(), b.by_seed()
+        d = np.array([ba[s] - bb[s] for s in sorted(ba)])
+        est, se, df = float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d))), len(d) - 1
+        unit = unit or f"{len(d)} seeds, paired"
+    else:
+        ga, gb = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+        est = float(ga.mean() - gb.mean())
+        se, df = _se_df([ga, gb], [1, -1])
+        unit = unit or f"Welch, {len(ga)} vs {len(gb)}"
+    t = Test(name, est, **_t_parts(est, se, df), unit=unit, sign=sign, primary=primary)
+    if margin:
+        t.kind, t.margin = "equivalence", margin
+        if se == 0:
+            t.p_tost = 0.0 if abs(est) < margin else 1.0
+            t.lo90 = t.hi90 = est
+        else:
+            t.p_tost = max(float(stats.t.sf((est + margin) / se, df)), float(stats.t.cdf((est - margin) / se, df)))
+            half = float(stats.t.ppf(0.95, df)) * se
+            t.lo90, t.hi90 = est - half, est + half
+    return t
+
+
+def class_vs(name: str, means: list[float], ref, sign: int = -1, primary: bool = True) -> Test:
+    """A class of architectures against one reference architecture with the architecture as the unit: the mean of
+    the class's architecture means minus the reference's mean, Welch between the architecture means (k) and the
+    reference's seeds."""
+    return difference(name, means, list(ref), sign=sign, primary=primary,
+                      unit=f"{len(means)} architecture means vs {len(ref)} seeds")
+
+
+def main_effect(name: str, with_: list[float], without: list[float], sign: int = -1,
+                primary: bool = True) -> Test:
+    return difference(name, with_, without, sign=sign, primary=primary,
+                      unit=f"architectures: {len(with_)} with, {len(without)} without")
+
+
+def correlation_over_means(name: str, groups: dict[str, list[tuple[float, float]]], covariates=None) -> Test:
+    """Spearman's rho over architecture means (exact permutation p up to 9), its two-level bootstrap interval, and
+    the partial rho given the covariates (architecture means)."""
+    groups = {g: v for g, v in groups.items() if v}
+    means = {g: np.mean(v, axis=0) for g, v in groups.items()}
+    s = spearman([m[0] for m in means.values()], [m[1] for m in means.values()])
+    if s["rho"] is None:
+        return Test(name, None, kind="correlation", sign=1)
+    boot = hierarchical_bootstrap(groups, spearman_of_means, n_boot=2000, seed=0)
+    t = Test(name, s["rho"], boot["lo"], boot["hi"], s["p"], kind="correlation", sign=1,
+             unit=f"{len(means)} architecture means, {sum(len(v) for v in groups.values())} runs; interval: "
+                  f"two-level bootstrap")
+    if covariates:
+        names = [g for g in means if all(covariates[c].get(g) is not None for c in covariates)]
+        part = partial_spearman([means[g][0] for g in names], [means[g][1] for g in names],
+                                {c: [covariates[c][g] for g in names] for c in covariates})
+        t.extra["partial"] = part
+    return t
+
+
+def holm_family(tests: list[Test]) -> None:
+    """Holm over a part's primary tests (each equivalence test's TOST p; its directional p is adjusted in a
+    second family of the same size, for the 'better' / 'worse' readings)."""
+    prim = [t for t in tests if t.primary and t.family_p() is not None]
+    for t, adj in zip(prim, holm([t.family_p() for t in prim]), strict=True):
+        t.p_holm = adj
+    eq = [t for t in prim if t.kind == "equivalence"]
+    for t, adj in zip(eq, holm([t.p for t in eq]), strict=True):
+        t.extra["p_holm_direction"] = adj
+    for t in tests:  # second readings: adjusted as if in the family (the family size plus one), shown, not counted
+        if not t.primary and t.family_p() is not None:
+            t.p_holm = min(1.0, t.family_p() * (len(prim) + 1))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the claims
+
+
+def _means(p, metric: str, archs: list[str], study: str | None = None) -> dict[str, float]:
+    return {a: float(np.mean(v)) for a in archs if len(v := p.values(metric, a, study)) > 0}
+
+
+def _standing(r: dict) -> str:
+    """The stationarity verdict of a run's sharpness report (recomputed from its ‖g‖, λ_max and λ_min when the
+    report predates the certificate)."""
+    if r.get("standing"):
+        return r["standing"]
+    if r.get("grad_norm") is None or r.get("lambda_max") is None:
+        return "unknown"
+    return certify(grad_norm=r["grad_norm"], n=r.get("curvature_n") or r.get("params") or 1, operator="hessian",
+                   psd=False, lambda_max=r["lambda_max"], lambda_min=r.get("lambda_min"),
+                   lambda_min_error=None).verdict
+
+
+def reissue(p, F, root, part: str) -> list[dict]:
+    """The re-issued rows of one part (``F``: the findings module, for its groups and constants)."""
+    rows = []
+    mom, van = F.MOMENTUM, "baseline"
+    with_m = [a for a in F.WITH_MOMENTUM]
+    claims = F.PART_CLAIMS.get(part)
+    only = None if claims is None else {c.__name__ for c in claims}
+
+    def want(n: str) -> bool:
+        return only is None or n in only
+
+    D = F.DELTA
+    if want("claim1"):
+        rows.append(("1", [difference("cem − baseline", p.values("val_loss", "cem"), p.values("val_loss", van),
+                                      margin=D),
+                           difference("cem − baseline of cem's size", p.values("val_loss", "cem"),
+                                      p.values("val_loss", van, "baseline-cem-size"), margin=D)]))
+    if want("claim2"):
+        cem, rec, pre = (p.values("val_loss", a) for a in ("cem", "cem-rec2", "cem-precond"))
+        rows.append(("2", [difference("rec2 − cem", rec, cem), difference("rec2 − precond", rec, pre)]))
+    if want("claim3"):
+        cem = p.values("val_loss", "cem")
+        rows.append(("3", [difference("dplr − cem", p.values("val_loss", "cem-dplr"), cem),
+                           difference("full − cem", p.values("val_loss", "cem-full"), cem)]))
+    if want("claim4"):
+        field = _means(p, "val_loss", [van, *mom])
+        if "tmm" in field:
+            best = min((a for a in field if a != "tmm"), key=field.get)
+            rank = sorted(field, key=field.get).index("tmm") + 1
+            t4 = [difference(f"tmm − {best} (the lowest other)", p.values("val_loss", "tmm"),
+                             p.values("val_loss", best)),
+                  difference("tmm − vanilla", p.values("val_loss", "tmm"), p.values("val_loss", van))]
+            t4[0].extra["rank"] = f"tmm ranks {rank} of {len(field)}"
+            rows.append(("4", t4))
+        else:
+            rows.append(("4", [Test("tmm − the lowest other", None)]))
+    if want("claim5"):
+        loss = _means(p, "val_loss", [van, *mom])
+        m_with = [loss[a] for a in with_m if a in loss]
+        m_without = [loss[a] for a in [van, *F.PRECOND_ONLY] if a in loss]
+        pre_with = [loss[a] for a in [*F.PRECOND_ONLY, "adam", "adamw", "soap", "muon"] if a in loss]
+        pre_without = [loss[a] for a in [van, *F.MOMENTUM_ONLY] if a in loss]
+        rows.append(("5", [main_effect("momentum's main effect", m_with, m_without),
+                           main_effect("preconditioning's main effect", pre_with, pre_without, primary=False)]))
+    if want("claim6"):
+        tr = _means(p, "trace_per_param", with_m)
+        tt = _means(p, "trace", with_m)
+        t6 = [class_vs("momentum − vanilla, tr(H)/n", list(tr.values()), p.values("trace_per_param", van)),
+              class_vs("momentum − vanilla, total tr(H)", list(tt.values()), p.values("trace", van), primary=False),
+              difference("tmm − baseline of its size, tr(H)/n", p.values("trace_per_param", "tmm"),
+                         p.values("trace_per_param", van, "baseline-wide"), primary=False)]
+        runs = [r for a in [van, *with_m] for r in p.runs(a)] + p.runs(van, "baseline-wide")
+        verdicts = [_standing(r) for r in runs if (r.get("reports") or {}).get("sharpness")]
+        t6[0].extra["standing"] = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
+        rows.append(("6", t6))
+    if want("claim7"):
+        comp = [van, *with_m]
+        curves = {id(r): r.get("forgetting_curve") for a in comp for r in p.runs(a) if r.get("forgetting_curve")}
+        level = min(max(x for x, _ in c) for c in curves.values()) if curves else None
+        fm = {}
+        for a in comp:
+            vals = [v for r in p.runs(a) if r.get("forgetting_curve") and level
+                    and (v := at_matched(r["forgetting_curve"], level)) is not None]
+            if vals:
+                fm[a] = vals
+        f_means = _means(p, "forgetting", with_m)
+        t7 = [class_vs("momentum − vanilla, forgetting", list(f_means.values()), p.values("forgetting", van)),
+              class_vs(f"momentum − vanilla, forgetting at plasticity {level:.3g}" if level else
+                       "momentum − vanilla, forgetting at matched plasticity",
+                       [float(np.mean(fm[a])) for a in with_m if a in fm], fm.get(van, []))]
+        groups = {a: [(r["plasticity"], r["forgetting"]) for r in p.runs(a)
+                      if r.get("plasticity") is not None and r.get("forgetting") is not None] for a in comp}
+        t7.append(correlation_over_means("ρ(plasticity, forgetting) over architecture means", groups))
+        t7[2].primary = False
+        rows.append(("7", t7))
+    if want("claim8"):
+        archs = [van, *mom]
+        groups = {a: [(r["trace_per_param"], r["forgetting"]) for r in p.runs(a)
+                      if r.get("trace_per_param") is not None and r.get("forgetting") is not None] for a in archs}
+        groups["baseline-wide"] = [(r["trace_per_param"], r["forgetting"]) for r in p.runs(van, "baseline-wide")
+                                   if r.get("trace_per_param") is not None and r.get("forgetting") is not None]
+        lr = {a: float(np.mean([r["lr"] for r in p.runs(a)])) for a in archs if p.runs(a)}
+        lr["baseline-wide"] = float(np.mean([r["lr"] for r in p.runs(van, "baseline-wide")])) \
+            if p.runs(van, "baseline-wide") else None
+        rows.append(("8", [correlation_over_means("ρ(tr(H)/n, forgetting) over architecture means", groups,
+                                                  {"lr": lr})]))
+    if only is None:
+        rows.append(("9", saturation_tests(F, root, part)))
+    if want("claim10"):
+        uni = p.values("val_loss", van)
+        rows.append(("10", [difference("late-lowrank at 75% − uniform", p.values("val_loss", van, "late-lowrank-75"),
+                                       uni, margin=D),
+                            difference("early-heavy − uniform", p.values("val_loss", van, "early-heavy"), uni,
+                                       margin=D, primary=False),
+                            difference("late-lowrank − uniform", p.values("val_loss", van, "late-lowrank"), uni,
+                                       margin=D, primary=False)]))
+    if want("claim11"):
+        rows.append(("11", [difference("lime − baseline with ≥ LIMe's FLOPs", p.values("val_loss", "lime"),
+                                       p.values("val_loss", van, "baseline-lime-flops"))]))
+    if want("claim12"):
+        def per_run(arch, metric):
+            rs = [(r["seed"], v) for r in p.runs(arch) if (v := F._layer_mean(r, metric)) is not None]
+            return F.Values([v for _, v in rs], [s for s, _ in rs])
+
+        rows.append(("12", [difference("lime − baseline, value entropy (layers ≥ 1)",
+                                       per_run("lime", "value_entropy"), per_run(van, "value_entropy"), sign=1),
+                            difference("lime − baseline, separability", per_run("lime", "separability"),
+                                       per_run(van, "separability"), sign=1)]))
+    if want("claim13"):
+        b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")
+        b12, l12 = p.values("val_loss", van, "depth12"), p.values("val_loss", "lime", "depth12")
+        dd = F.diff_of_diffs(l4, b4, l12, b12)
+        t = Test("(lime − baseline) at 12 minus at 4", None)
+        if dd is not None:
+            half = dd["hi"] - dd["diff"]
+            se = half / float(stats.t.ppf(0.975, dd.get("n", 2) - 1 if "n" in dd else dd["df"]))
+            df = dd["n"] - 1 if "n" in dd else dd["df"]
+            t = Test(t.name, dd["diff"], **_t_parts(dd["diff"], se, df),
+                     unit=f"{dd['n']} seeds, paired" if dd.get("method") == "paired by seed" else
+                     "Welch, four groups")
+        rows.append(("13", [t]))
+    if want("claim14"):
+        prof = F._share_profile(p, None)
+        if prof is None:
+            rows.append(("14", [Test("last router's share on layer 0 − at init", None, sign=1)]))
+        else:
+            trained, init = prof
+            L = trained.shape[1]
+            ids = list(range(len(trained)))
+            rows.append(("14", [difference("last router's share on layer 0 − at init", F.Values(trained[:, 0], ids),
+                                           F.Values(init[:, 0], ids), sign=1),
+                                difference("on layer L-2 − at init", F.Values(trained[:, L - 2], ids),
+                                           F.Values(init[:, L - 2], ids), sign=1)]))
+    holm_family([t for _, ts in rows for t in ts])
+    return [{"claim": n, "tests": ts, "verdict": verdict(n, ts)} for n, ts in rows]
+
+
+def saturation_tests(F, root, part: str) -> list[Test]:
+    """Claim 9: the fall of the returns of d_h at the longest T (gain of the first doubling minus gain of the last,
+    paired by seed), with every head size and without d_h = 2, and its growth from the shortest to the longest T."""
+    import json
+
+    src = next((d for d in F.saturation_dirs(root, part) if (d / "reports" / "saturation_sweep.json").is_file()), None)
+    if src is None:
+        return [Test("fall of the returns at the longest T", None, sign=1)]
+    rep = json.loads((src / "reports" / "saturation_sweep.json").read_text())
+    loss: dict = {}
+    for r in rep["results"]:
+        if r.get("val_loss") is not None and math.isfinite(r["val_loss"]):
+            loss.setdefault((r["seq_len"], r["head_dim"]), {})[r["seed"]] = r["val_loss"]
+    lens, dims = sorted({t for t, _ in loss}), sorted({d for _, d in loss})
+    seeds = sorted(set.intersection(*(set(v) for v in loss.values())))
+    ids = list(range(len(seeds)))
+
+    def fall(t, ds):
+        return F.Values([(loss[(t, ds[0])][s] - loss[(t, ds[1])][s]) - (loss[(t, ds[-2])][s] - loss[(t, ds[-1])][s])
+                         for s in seeds], ids)
+
+    zero = F.Values([0.0] * len(seeds), ids)
+    out = [difference(f"fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
+                      fall(lens[-1], dims), zero, sign=1),
+           difference(f"the same without d_h = {dims[0]} (d_h {dims[1]}→{dims[2]} vs {dims[-2]}→{dims[-1]})",
+                      fall(lens[-1], dims[1:]), zero, sign=1),
+           difference(f"its growth, T = {lens[0]} → {lens[-1]}", fall(lens[-1], dims), fall(lens[0], dims), sign=1,
+                      primary=False),
+           difference(f"its growth without d_h = {dims[0]}", fall(lens[-1], dims[1:]), fall(lens[0], dims[1:]),
+                      sign=1, primary=False)]
+    for t in out:
+        t.unit = f"{len(seeds)} seeds, paired"
+    return out
+
+
+WORDS = {"reproduced": "reproduced", "opposite": "the opposite is resolved", "unresolved": "not resolved",
+         "equivalent": "equivalent within the margin", "better": "better, resolved",
+         "worse": "worse by more than the margin", "not run yet": "not run yet"}
+
+
+def verdict(claim: str, tests: list[Test]) -> str:
+    """The re-issued verdict of a claim from its tests' outcomes (the rules in this module's docstring)."""
+    prim = [t for t in tests if t.primary]
+    if any(t.est is None for t in prim):
+        return "not run yet"
+    o = [t.outcome() for t in tests]
+    good = {"reproduced", "equivalent", "better"}
+    if claim == "6":
+        st = tests[0].extra.get("standing") or {}
+        certified = st.get("minimum", 0)
+        reading = "lower tr(H)/n at the end of training: " + WORDS[o[0]] + "; total trace: " + WORDS[o[1]]
+        if not certified:
+            counts = ", ".join(f"{n} {v}" for v, n in st.items()) or "no certificate"
+            return f"not testable as stated (no model certified at a minimum: {counts}); {reading}"
+        return reading
+    if claim == "7":
+        return f"after the fine-tune: {WORDS[o[0]]}; at matched plasticity: {WORDS[o[1]]}"
+    if claim == "9":
+        return f"with d_h = 2: {WORDS[o[0]]}; without it: {WORDS[o[1]]}"
+    if claim == "5":
+        if o[0] == "reproduced" and o[1] != "reproduced":
+            return "reproduced"
+        return f"momentum's main effect: {WORDS[o[0]]}; preconditioning's: {WORDS[o[1]]}"
+    if claim == "4":
+        lead = tests[0].extra.get("rank", "")
+        if o[0] == "reproduced" and o[1] == "reproduced":
+            return "reproduced"
+        return f"not reproduced ({lead}; against the lowest other: {WORDS[o[0]]})"
+    if claim == "1":
+        if o[0] in good:
+            return f"reproduced ({WORDS[o[0]]} against the same-width baseline)"
+        if o[1] in good:
+            return f"mixed (same width: {WORDS[o[0]]}; against the baseline of its size: {WORDS[o[1]]})"
+        return f"not reproduced (same width: {WORDS[o[0]]}; baseline of its size: {WORDS[o[1]]})"
+    if claim == "10":
+        return ("reproduced" if o[0] in good else f"not reproduced ({WORDS[o[0]]})") + \
+            f"; at the same budget: early-heavy {WORDS[o[1]]}, late-lowrank {WORDS[o[2]]}"
+    n_good = sum(x in good for x, t in zip(o, tests, strict=True) if t.primary)
+    if n_good == len(prim):
+        return "reproduced"
+    if n_good:
+        return "mixed (" + "; ".join(f"{t.name}: {WORDS[x]}" for t, x in zip(tests, o, strict=True)
+                                     if t.primary) + ")"
+    return "not reproduced (" + "; ".join(f"{t.name}: {WORDS[x]}" for t, x in zip(tests, o, strict=True)
+                                          if t.primary) + ")"
+
+
+def rows_json(rows: list[dict]) -> list[dict]:
+    return [{"claim": r["claim"], "verdict": r["verdict"],
+             "tests": [{**asdict(t), "outcome": t.outcome()} for t in r["tests"]]} for r in rows]
+
+
+def markdown(part: str, rows: list[dict], first: dict[str, str]) -> list[str]:
+    """One part's re-issued table: the claim, its tests (estimate [95% CI], Holm p, MDE or equivalence interval,
+    unit), the first verdict and the re-issued one."""
+    n_family = sum(1 for r in rows for t in r["tests"] if t.primary and t.family_p() is not None)
+    md = [f"### {part}", "", f"Holm family: the part's {n_family} primary tests (second readings, in italics, are "
+          f"adjusted as one more member, {n_family + 1} in all, and do not decide).", "",
+          "| claim | tests | first verdict | re-issued verdict |", "|---|---|---|---|"]
+    for r in rows:
+        tests = "; ".join(t.text() if t.primary else f"*{t.text()}*" for t in r["tests"])
+        for t in r["tests"]:
+            if "partial" in t.extra and t.extra["partial"]["rho"] is not None:
+                tests += f"; partial ρ given lr {t.extra['partial']['rho']:+.2f} (p {t.extra['partial']['p']:.2g})"
+            if "standing" in t.extra:
+                tests += "; standing: " + (", ".join(f"{n} {v}" for v, n in t.extra["standing"].items()) or "–")
+        md.append(f"| {r['claim']} | {tests} | {first.get(r['claim'], '–')} | {r['verdict']} |")
+    return md + [""]
+
+
+def regime(p) -> dict:
+    """What one part's runs are: tokens per run, parameters, tokens per parameter and epochs (meta.json of each run),
+    and where its measured models stand (the stationarity verdicts of their sharpness reports)."""
+    import json
+    from pathlib import Path
+
+    runs = [r for rs in p.groups.values() for r in rs]
+    metas = []
+    for r in runs:
+        try:
+            metas.append(json.loads((Path(r["run"]) / "meta.json").read_text()))
+        except (OSError, ValueError):
+            continue
+    tokens = [m["tokens"] for m in metas if m.get("tokens")]
+    params = [m["params"]["total"] for m in metas if isinstance(m.get("params"), dict)]
+    ratio = [m["tokens"] / m["params"]["total"] for m in metas if m.get("tokens") and isinstance(m.get("params"), dict)]
+    epochs = [m["epochs"] for m in metas if m.get("epochs") is not None]
+    standing = [_standing(r) for r in runs if (r.get("reports") or {}).get("sharpness")]
+
+    def span(v, fmt):
+        if not v:
+            return "–"
+        lo, hi = fmt.format(min(v)), fmt.format(max(v))
+        return lo if lo == hi else f"{lo}–{hi}"
+
+    return {"runs": len(runs), "tokens": span(tokens, "{:,}"), "params": span(params, "{:,}"),
+            "tokens_per_param": span(ratio, "{:.2f}"), "epochs": span(epochs, "{:.3f}"),
+            "standing": {v: standing.count(v) for v in dict.fromkeys(standing)}}
+
+
+def regime_markdown(rows: dict[str, dict]) -> list[str]:
+    md = ["### Each part's regime", "", "| part | runs | tokens per run | parameters | tokens per parameter | epochs | "
+          "where the measured models stand |", "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        st = ", ".join(f"{n} {v}" for v, n in r["standing"].items()) or "–"
+        md.append(f"| {name} | {r['runs']} | {r['tokens']} | {r['params']} | {r['tokens_per_param']} | {r['epochs']} "
+                  f"| {st} |")
+    return md + [""]

@@ -1,0 +1,81 @@
+"""research/scripts/verdicts_v2.py: the re-issued verdicts' tests against scipy, the Holm family, the outcome and
+verdict rules on hand-made numbers (each able to fail: a swapped sign, a missing minimum), and the rows it writes
+from the committed records."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from cemtool.analysis.stats import holm, t_mde
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import verdicts_v2 as V  # noqa: E402  (research/scripts, as findings.py imports it)
+
+
+def test_paired_difference_is_scipys_paired_t_with_its_mde():
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(3.3, 0.02, 5), rng.normal(3.35, 0.02, 5)
+    t = V.difference("a − b", V.Values(a, range(5)), V.Values(b, range(5)))
+    ref = stats.ttest_rel(a, b)
+    ci = ref.confidence_interval(0.95)
+    assert (t.est, t.lo, t.hi, t.p) == pytest.approx((np.mean(a - b), ci.low, ci.high, ref.pvalue), rel=1e-9)
+    assert t.mde == pytest.approx(t_mde(np.std(a - b, ddof=1) / np.sqrt(5), 4)) and "paired" in t.unit
+
+
+def test_welch_difference_and_tost():
+    rng = np.random.default_rng(1)
+    a, b = list(rng.normal(0.003, 0.004, 6)), list(rng.normal(0.0, 0.005, 7))
+    t = V.difference("a − b", a, b, margin=0.01)
+    ref = stats.ttest_ind(a, b, equal_var=False)
+    assert t.p == pytest.approx(ref.pvalue, rel=1e-9) and t.kind == "equivalence"
+    p_low = stats.ttest_ind(np.add(a, 0.01), b, equal_var=False, alternative="greater").pvalue
+    p_high = stats.ttest_ind(np.subtract(a, 0.01), b, equal_var=False, alternative="less").pvalue
+    assert t.p_tost == pytest.approx(max(p_low, p_high), rel=1e-9)
+    ci90 = ref.confidence_interval(0.90)
+    assert (t.lo90, t.hi90) == pytest.approx((ci90.low, ci90.high), rel=1e-9)
+
+
+def test_holm_family_counts_primary_tests_only():
+    tests = [V.Test("a", -1.0, p=0.01), V.Test("b", -1.0, p=0.04), V.Test("c", 1.0, p=0.03, primary=False),
+             V.Test("d", 0.5, p=0.02)]
+    V.holm_family(tests)
+    want = holm([0.01, 0.04, 0.02])
+    assert [tests[i].p_holm for i in (0, 1, 3)] == pytest.approx(want)
+    assert tests[2].p_holm == pytest.approx(min(1.0, 0.03 * 4))  # a second reading: shown, not counted
+
+
+def test_outcomes_follow_the_claimed_sign():
+    t = V.Test("x", -0.1, p=0.001, p_holm=0.004)
+    assert t.outcome() == "reproduced"
+    t.est = 0.1  # the deliberately wrong sign: the same p now resolves the opposite
+    assert t.outcome() == "opposite"
+    assert V.Test("x", -0.1, p=0.2, p_holm=0.6).outcome() == "unresolved"
+    eq = V.Test("x", 0.002, kind="equivalence", margin=0.01, p=0.6, p_tost=0.001, p_holm=0.01)
+    assert eq.outcome() == "equivalent"
+    worse = V.Test("x", 0.05, kind="equivalence", margin=0.01, p=0.001, p_tost=0.9, p_holm=1.0,
+                   extra={"p_holm_direction": 0.004})
+    assert worse.outcome() == "worse"
+
+
+def test_claim6_without_a_minimum_is_not_testable_as_stated():
+    tests = [V.Test("tr/n", -1e-4, p=0.001, p_holm=0.01, extra={"standing": {"not stationary": 40}}),
+             V.Test("tr", -10.0, p=0.2, p_holm=0.9, primary=False)]
+    v = V.verdict("6", tests)
+    assert v.startswith("not testable as stated (no model certified at a minimum: 40 not stationary)")
+    assert "lower tr(H)/n at the end of training: reproduced" in v and "total trace: not resolved" in v
+    tests[0].extra["standing"] = {"minimum": 40}
+    assert not V.verdict("6", tests).startswith("not testable")
+
+
+def test_correlation_over_means_is_spearman_of_the_means():
+    rng = np.random.default_rng(2)
+    groups = {str(g): [(g + rng.normal(0, 0.1), 2 * g + rng.normal(0, 0.1)) for _ in range(4)] for g in range(6)}
+    t = V.correlation_over_means("rho", groups)
+    means = {g: np.mean(v, axis=0) for g, v in groups.items()}
+    assert t.est == pytest.approx(stats.spearmanr([m[0] for m in means.values()],
+                                                  [m[1] for m in means.values()]).statistic)
+    assert t.lo <= t.est <= t.hi and "6 architecture means" in t.unit
