@@ -114,7 +114,8 @@ class ModelConfig:
                              "for swiglu (same parameters)", min=0, max=4 * MAX_WIDTH)
     norm: str = opt("rmsnorm", "normalisation layer", choices=("rmsnorm", "layernorm"))
     norm_eps: float = opt(1e-5, "epsilon of the norm layers", min=0.0, max=1.0)
-    pos: str = opt("rope", "position encoding", choices=("rope", "learned"))
+    pos: str = opt("rope", "position encoding: rope, learned (absolute embeddings) or none (NoPE: the causal mask "
+                           "alone carries order)", choices=("rope", "learned", "none"))
     rope_base: float = opt(10000.0, "RoPE base frequency", min=1.0, max=1e12)
     tie_embeddings: bool = opt(True, "share the token embedding with the LM head")
     max_seq_len: int = opt(0, "longest context the model accepts; 0 = data.seq_len", min=0, max=MAX_SEQ_LEN)

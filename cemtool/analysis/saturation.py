@@ -446,19 +446,25 @@ class SweepPoint:
     head_dim: int
     heads: int
     seed: int
+    lr: float | None = None  # a tuning point's learning rate (None: the sweep's --lr, or the tuned one)
 
     @property
     def name(self) -> str:
-        return f"T{self.seq_len}-dh{self.head_dim}-s{self.seed}"
+        return f"T{self.seq_len}-dh{self.head_dim}-s{self.seed}" + ("" if self.lr is None else f"-lr{self.lr:g}")
 
 
-def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequence[int], budget: int,
-               rope: bool = True) -> list[SweepPoint]:
-    """Every (T, d_h, seed) with H = budget / d_h heads; refuses sizes that do not divide the budget."""
+def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequence[int], budget: int | None,
+               rope: bool = True, heads: int | None = None) -> list[SweepPoint]:
+    """Every (T, d_h, seed): at a fixed budget, H = budget / d_h heads (refusing sizes that do not divide it); at a
+    fixed head count (``heads``), H = heads and the budget H * d_h grows with d_h."""
     if not head_dims or not seq_lens or not seeds:
         raise CemtoolError("the sweep needs at least one head size, one sequence length and one seed")
+    if (budget is None) == (heads is None):
+        raise CemtoolError("give the sweep either a budget H*d_h or a fixed head count, not both")
+    if heads is not None and heads < 1:
+        raise CemtoolError(f"the head count must be >= 1, got {heads}")
     for d in head_dims:
-        if d < 1 or budget % d:
+        if d < 1 or (budget is not None and budget % d):
             raise CemtoolError(f"head size {d} does not divide the budget H*d_h = {budget}",
                                hint="choose head sizes that divide --budget")
         if rope and d % 2:
@@ -466,8 +472,19 @@ def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequenc
     for T in seq_lens:
         if T < 2:
             raise CemtoolError(f"sequence length {T} is too short (at least 2)")
-    return [SweepPoint(T, d, budget // d, s) for T in sorted(set(seq_lens)) for d in sorted(set(head_dims))
-            for s in sorted(set(seeds))]
+    return [SweepPoint(T, d, heads if heads is not None else budget // d, s) for T in sorted(set(seq_lens))
+            for d in sorted(set(head_dims)) for s in sorted(set(seeds))]
+
+
+def choose_lrs(rows: list[dict]) -> dict[tuple[int, int], float]:
+    """(T, d_h) -> the learning rate with the lowest mean final validation loss over the tuning rows of that point
+    (a diverged run, loss None or not finite, counts as infinitely bad)."""
+    by: dict[tuple[int, int], dict[float, list[float]]] = {}
+    for r in rows:
+        loss = r.get("val_loss")
+        bad = loss is None or not math.isfinite(loss)
+        by.setdefault((r["seq_len"], r["head_dim"]), {}).setdefault(r["lr"], []).append(math.inf if bad else loss)
+    return {k: min(v, key=lambda lr: (sum(v[lr]) / len(v[lr]), lr)) for k, v in by.items()}
 
 
 def _gain(a: dict, b: dict) -> float:

@@ -18,7 +18,7 @@ from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
 from cemtool.config import resolve
-from cemtool.errors import CemtoolError
+from cemtool.errors import CemtoolError, UsageError
 from cemtool.options import as_cli
 
 
@@ -46,6 +46,16 @@ def _ints(text: str, what: str) -> list[int]:
     if not vals:
         raise typer.BadParameter("give at least one value", param_hint=what)
     return vals
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise UsageError(f"{what} {text!r} is not a comma-separated list of numbers") from None
+    if not vals or not all(0 < v < 100 and v == v for v in vals):
+        raise UsageError(f"{what} {text!r}: give learning rates in (0, 100)")
+    return sorted(set(vals))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -151,8 +161,10 @@ def _sweep_config(arch: str, data: str, p, *, d_model: int, n_layer: int, steps:
     return resolve(arch=arch, overrides=overrides, seed=p.seed, data_source=data)
 
 
-def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, quiet: bool) -> list[dict]:
-    """Train every grid point (a completed one is reused); one row per point."""
+def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, quiet: bool,
+                  lrs: dict | None = None) -> list[dict]:
+    """Train every grid point (a completed one is reused); one row per point. A point's lr: its own (a tuning
+    point), else ``lrs[(T, d_h)]`` (the tuned one), else the sweep's."""
     from cemtool.runs import open_run  # start-up: torch loads when the sweep runs
     from cemtool.start import start_or_resume
 
@@ -162,9 +174,10 @@ def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, qu
     with console.progress(quiet) as bar:
         task = bar.add_task("sweep", total=len(points) * steps, status="")
         for k, p in enumerate(points):
-            run_dir = root / "runs" / p.name
-            cfg = _sweep_config(arch, data, p, **sizes)
-            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed,
+            run_dir = root / ("tune" if p.lr is not None else "runs") / p.name
+            lr = p.lr if p.lr is not None else (lrs or {}).get((p.seq_len, p.head_dim), sizes["lr"])
+            cfg = _sweep_config(arch, data, p, **{**sizes, "lr": lr})
+            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed, "lr": lr,
                    "run": str(run_dir)}
 
             def cb(ev: dict, k=k, name=p.name) -> None:
@@ -182,7 +195,7 @@ def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, qu
                 bar.update(task, completed=(k + 1) * steps, status=f"{p.name} (reused)")
                 continue
             res = st.result
-            if res.status != "completed":
+            if res.status != "completed" and not (p.lr is not None and res.status == "diverged"):
                 raise CemtoolError(f"training {p.name} ended {res.status}", hint="rerun with the same --out to "
                                    "resume the sweep")
             row.update(val_loss=res.val_loss, val_floor=res.val_floor, reused=False,
@@ -196,13 +209,21 @@ def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, qu
 def sweep(
     head_dims: Annotated[str, typer.Option(help="comma-separated head sizes d_h (each divides the budget)")]
     = "2,4,8,16",
-    budget: Annotated[int, typer.Option(help="attention budget H*d_h per layer (H = budget / d_h)")] = 16,
+    budget: Annotated[Optional[int], typer.Option(help="attention budget H*d_h per layer (H = budget / d_h); "
+                                                       "default 16 unless --heads")] = None,
+    heads: Annotated[Optional[int], typer.Option(help="a fixed head count H for every d_h instead of a fixed "
+                                                      "budget (the budget H*d_h then grows with d_h)")] = None,
     seq_lens: Annotated[str, typer.Option(help="comma-separated sequence lengths T")] = "16,64",
     seeds: Annotated[str, typer.Option(help="comma-separated training seeds")] = "0,1",
     steps: Annotated[int, typer.Option(help="optimizer steps per model")] = 300,
     d_model: Annotated[int, typer.Option(help="model width")] = 32,
     n_layer: Annotated[int, typer.Option(help="layers")] = 1,
     lr: Annotated[float, typer.Option(help="peak learning rate")] = 1e-2,
+    lrs: Annotated[Optional[str], typer.Option(help="comma-separated learning rates: tune one per (T, d_h) on "
+                                                    "--tune-seeds (lowest mean final loss), then train --seeds at "
+                                                    "it (instead of --lr)")] = None,
+    tune_seeds: Annotated[str, typer.Option("--tune-seeds", help="seeds of the lr tuning (disjoint from --seeds)")]
+    = "100,101",
     batch_tokens: Annotated[int, typer.Option(help="tokens per step (batch = this / T, the same for every T)")]
     = 1024,
     data: Annotated[str, typer.Option(help="'ngram' (built-in n-gram rule over white noise) or any data source")]
@@ -223,38 +244,59 @@ def sweep(
 ) -> None:
     """Train over head sizes at a fixed budget H*d_h and over sequence lengths; loss vs d_h per T, the gain per
     doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
+    from dataclasses import replace
+
     import cemtool.data.synthetic  # noqa: F401  (start-up: registers the ngram source; torch loads when it runs)
-    from cemtool.analysis.saturation import summarise_sweep, sweep_grid
+    from cemtool.analysis.saturation import choose_lrs, summarise_sweep, sweep_grid
     from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
     from cemtool.train import pick_device  # start-up: torch
 
-    for name, v in (("--budget", budget), ("--steps", steps), ("--d-model", d_model), ("--n-layer", n_layer),
-                    ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
-        if v < 1:
+    if budget is not None and heads is not None:
+        raise UsageError("--budget and --heads: a fixed budget and a fixed head count exclude each other; give one")
+    if budget is None and heads is None:
+        budget = 16
+    for name, v in (("--budget", budget), ("--heads", heads), ("--steps", steps), ("--d-model", d_model),
+                    ("--n-layer", n_layer), ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
+        if v is not None and v < 1:
             raise typer.BadParameter(f"{v} must be >= 1", param_hint=name)
+    lr_list = _floats(lrs, "--lrs") if lrs else None
+    tune_list = _ints(tune_seeds, "--tune-seeds") if lr_list else []
     if not threshold >= 0:
         raise typer.BadParameter(f"{threshold} must be >= 0", param_hint="--threshold")
     extra = list(set_ or [])
     dims, lens, seed_list = _ints(head_dims, "--head-dims"), _ints(seq_lens, "--seq-lens"), _ints(seeds, "--seeds")
-    probe_cfg = _sweep_config(arch, data, sweep_grid(dims[:1], lens[:1], seed_list[:1], budget, rope=False)[0],
+    if set(tune_list) & set(seed_list):
+        raise UsageError(f"--tune-seeds {sorted(set(tune_list) & set(seed_list))} are also comparison seeds: the lr "
+                         f"would be chosen on the runs it is judged by")
+    probe_cfg = _sweep_config(arch, data, sweep_grid(dims[:1], lens[:1], seed_list[:1], budget, rope=False,
+                                                     heads=heads)[0],
                               d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
                               train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
-    points = sweep_grid(dims, lens, seed_list, budget, rope=probe_cfg.model.pos == "rope")
+    rope = probe_cfg.model.pos == "rope"
+    points = sweep_grid(dims, lens, seed_list, budget, rope=rope, heads=heads)
+    tune_points = [replace(p, lr=x) for p in sweep_grid(dims, lens, tune_list, budget, rope=rope, heads=heads)
+                   for x in lr_list] if lr_list else []
     dev = pick_device(device)
     root = out or Path("runs") / f"saturation-sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if root.exists() and not root.is_dir():
         raise CemtoolError(f"--out {root} exists and is not a directory")
-    console.info(f"sweep folder: {root} ({len(points)} models)", quiet)
-    options = {"head_dims": dims, "budget": budget, "seq_lens": lens, "seeds": seed_list, "steps": steps,
-               "d_model": d_model, "n_layer": n_layer, "lr": lr, "batch_tokens": batch_tokens, "data": data,
-               "arch": arch, "train_tokens": train_tokens, "eval_tokens": eval_tokens, "set": extra}
+    console.info(f"sweep folder: {root} ({len(tune_points)} tuning + {len(points)} models)" if tune_points else
+                 f"sweep folder: {root} ({len(points)} models)", quiet)
+    options = {"head_dims": dims, "budget": budget, "heads": heads, "seq_lens": lens, "seeds": seed_list,
+               "steps": steps, "d_model": d_model, "n_layer": n_layer, "lr": lr, "lrs": lr_list,
+               "tune_seeds": tune_list, "batch_tokens": batch_tokens, "data": data, "arch": arch,
+               "train_tokens": train_tokens, "eval_tokens": eval_tokens, "set": extra}
     sizes = dict(d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
                  train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
-    results = _train_points(points, root, arch, data, sizes, dev, quiet)
+    tuning = _train_points(tune_points, root, arch, data, sizes, dev, quiet) if tune_points else []
+    chosen = choose_lrs(tuning) if tuning else None
+    results = _train_points(points, root, arch, data, sizes, dev, quiet, lrs=chosen)
     summary = summarise_sweep(results, threshold)
     payload = {"provenance": provenance(root, command="saturation sweep", options=options),
-               "task": data, "budget": budget, "steps": steps, "seeds": seed_list, "threshold": threshold,
-               "results": results, "summary": summary}
+               "task": data, "budget": budget, "heads": heads, "steps": steps, "seeds": seed_list,
+               "threshold": threshold, "results": results, "summary": summary,
+               "tuning": {"rows": tuning, "chosen": [{"seq_len": t, "head_dim": d, "lr": x}
+                                                     for (t, d), x in sorted(chosen.items())]} if chosen else None}
     paths = write_report(root / "reports", "saturation_sweep", payload, results)
     if not no_plots:
         from cemtool.plots.saturation import plot_sweep  # start-up: matplotlib
@@ -267,10 +309,11 @@ def sweep(
     for s in summary:
         for pt in s["points"]:
             g = pt.get("gain_per_doubling")
-            body.append([s["seq_len"], pt["head_dim"], budget // pt["head_dim"],
+            body.append([s["seq_len"], pt["head_dim"], heads or budget // pt["head_dim"],
                          f"{pt['loss']:.4f}" + (f" ± {pt['se']:.4f}" if pt["se"] is not None else ""),
                          "-" if pt["floor"] is None else f"{pt['floor']:.4f}", "-" if g is None else f"{g:+.4f}"])
-    console.table(f"final validation loss vs head size at budget H*d_h = {budget} ({data}, {steps} steps, "
+    at = f"H = {heads} heads" if heads else f"budget H*d_h = {budget}"
+    console.table(f"final validation loss vs head size at {at} ({data}, {steps} steps, "
                   f"{len(seed_list)} seed(s))", ["T", "d_h", "H", "loss ± s.e.", "floor", "gain/doubling"], body)
     for s in summary:
         sat = s["saturation_head_dim"]

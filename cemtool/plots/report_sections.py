@@ -169,14 +169,16 @@ def saturation_sweep_section(report: dict) -> str:
     rows = []
     for s in report["summary"]:
         for p in s["points"]:
-            rows.append({"T": s["seq_len"], "d_h": p["head_dim"], "H": report["budget"] // p["head_dim"],
+            rows.append({"T": s["seq_len"], "d_h": p["head_dim"],
+                         "H": report.get("heads") or report["budget"] // p["head_dim"],
                          "loss": pm(p["loss"], p["se"]), "floor": fmt(p["floor"]), "seeds": p["seeds"],
                          "gain / doubling": "-" if p.get("gain_per_doubling") is None
                          else f"{p['gain_per_doubling']:+.4f}"})
     sat = "; ".join(f"T = {s['seq_len']}: " + (f"saturates at d_h = {s['saturation_head_dim']}"
                                                if s["saturation_head_dim"] else "no saturation in the grid")
                     for s in report["summary"])
-    return (f"Task `{report['task']}`, budget H d_h = {report['budget']}, {report['steps']} steps, seeds "
+    at = f"H = {report['heads']} heads" if report.get("heads") else f"budget H d_h = {report['budget']}"
+    return (f"Task `{report['task']}`, {at}, {report['steps']} steps, seeds "
             f"{report['seeds']}; final validation loss (nats/token, mean ± s.e. over seeds). {sat}.\n\n"
             + markdown_table(rows))
 

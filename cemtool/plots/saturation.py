@@ -34,9 +34,11 @@ def plot_sweep(report: dict, plots_dir: str | Path, name: str = "saturation_swee
             any_floor = True
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("head size d_h (heads H = budget / d_h)")
+    heads = report.get("heads")
+    ax.set_xlabel(f"head size d_h ({heads} heads)" if heads else "head size d_h (heads H = budget / d_h)")
     ax.set_ylabel("final validation loss (nats/token)")
-    ax.set_title(f"{report['task']}: budget H d_h = {report['budget']}, {report['steps']} steps, "
+    ax.set_title(f"{report['task']}: " + (f"H = {heads} heads" if heads else f"budget H d_h = {report['budget']}")
+                 + f", {report['steps']} steps, "
                  f"{len(report['seeds'])} seed(s)" + ("; dashed = floor" if any_floor else ""), fontsize=9)
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()

@@ -308,3 +308,46 @@ def test_saturation_bad_input(tmp_path):
     res = r.invoke(app, ["saturation", str(tmp_path), "--basis", "nope"])
     assert res.exit_code == 2
     assert r.invoke(app, ["saturation", "--help"]).exit_code == 0
+
+
+@pytest.mark.parametrize("pos", ["none", "learned", "rope"])
+def test_without_positions_the_last_output_ignores_the_order_before_it(pos):
+    """model.pos=none (NoPE): with one layer, the last position's logits are a function of the set of earlier
+    tokens and its own, so permuting the earlier tokens leaves them unchanged; RoPE and learned positions do not."""
+    model = tiny(extra=[f"model.pos={pos}", "model.n_layer=1"])
+    x, _ = data(n=2)
+    perm = torch.cat([torch.randperm(x.shape[1] - 1, generator=torch.Generator().manual_seed(3)),
+                      torch.tensor([x.shape[1] - 1])])
+    with torch.no_grad():
+        a, b = model(x)[:, -1], model(x[:, perm])[:, -1]  # (B, V) logits at the last position
+    same = torch.allclose(a, b, atol=1e-10)
+    assert same == (pos == "none")
+    assert (pos == "none") == (not any("pos_emb" in n for n, _ in model.named_parameters()) and pos != "rope")
+
+
+def test_sweep_at_a_fixed_head_count_with_the_lr_tuned_per_point(tmp_path):
+    from cemtool.analysis.saturation import choose_lrs
+
+    out = tmp_path / "sweep"
+    args = ["saturation", "sweep", "--head-dims", "4,8", "--heads", "2", "--seq-lens", "8", "--seeds", "0",
+            "--lrs", "1e-3,3e-2", "--tune-seeds", "5", "--steps", "6", "--d-model", "16", "--train-tokens", "3000",
+            "--eval-tokens", "256", "--set", "model.pos=learned", "--out", str(out), "-q", "--no-plots"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "reports" / "saturation_sweep.json").read_text())
+    assert rep["heads"] == 2 and {r["heads"] for r in rep["results"]} == {2}
+    tune = rep["tuning"]["rows"]
+    assert {(r["head_dim"], r["lr"], r["seed"]) for r in tune} == {(d, x, 5) for d in (4, 8) for x in (1e-3, 3e-2)}
+    chosen = {(c["seq_len"], c["head_dim"]): c["lr"] for c in rep["tuning"]["chosen"]}
+    assert chosen == choose_lrs(tune)
+    for d in (4, 8):  # the lower tuning loss wins, and the comparison run trains at it
+        best = min((r for r in tune if r["head_dim"] == d), key=lambda r: r["val_loss"])["lr"]
+        assert chosen[(8, d)] == best
+        cfg = json.loads((out / "runs" / f"T8-dh{d}-s0" / "config.json").read_text())
+        assert cfg["train"]["lr"] == best and cfg["model"]["n_head"] == 2 and cfg["model"]["pos"] == "learned"
+    assert choose_lrs([{"seq_len": 8, "head_dim": 4, "lr": 0.1, "val_loss": None},
+                       {"seq_len": 8, "head_dim": 4, "lr": 0.01, "val_loss": 9.0}]) == {(8, 4): 0.01}  # diverged
+    for bad, msg in [(["--budget", "8"], "exclude each other"), (["--tune-seeds", "0"], "also comparison seeds"),
+                     (["--lrs", "x"], "numbers")]:
+        res = CliRunner().invoke(app, [*args, *bad])
+        assert res.exit_code == 2 and msg in res.output, res.output
