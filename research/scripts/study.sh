@@ -229,6 +229,7 @@ stdlib() {
   lane 1 && l1=$!
   lane 2 && (
     group "$o" baseline baseline sharpness,forgetting $S "$grid"
+    saturation_controls "$o"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$grid" "${WIDE[@]}"
     for a in tmm hb nesterov; do
       group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" "${ZERO[@]}"
@@ -244,6 +245,33 @@ stdlib() {
   ) &
   lane 2 && l2=$!
   wait $l1 $l2
+}
+
+# claim 9's controls, on the allocation paper's own 4-gram task (data source ngram4), 5 seeds, the lr tuned per
+# (T, d_h) on seeds 100 and 101: RoPE at a fixed budget (the first study's design on the 4-gram task), learned
+# positions and no positions at that budget (a 2-dim RoPE head aliases positions whatever the softmax does), and
+# RoPE at a fixed head count (a larger d_h at a fixed budget also means fewer heads). 165 one-layer models each.
+saturation_controls() {  # saturation_controls PARTDIR
+  local o=$1
+  local common=(--head-dims 2,4,8,16,32 --seq-lens 16,64,256 --seeds 0,1,2,3,4 --steps 300 --data ngram4
+                --lrs 3e-3,1e-2,3e-2 --tune-seeds 100,101)
+  sat_sweep "$o/saturation-rope" "${common[@]}" --budget 32
+  sat_sweep "$o/saturation-learned" "${common[@]}" --budget 32 --set model.pos=learned
+  sat_sweep "$o/saturation-nope" "${common[@]}" --budget 32 --set model.pos=none
+  sat_sweep "$o/saturation-rope-heads" "${common[@]}" --heads 4
+}
+
+sat_sweep() {  # sat_sweep OUTDIR SWEEP-ARGS...: one saturation sweep, logged like a study (it resumes the same way)
+  local o=$1; shift
+  if [ ${#DRY[@]} -gt 0 ]; then echo "== $o: cemtool saturation sweep $*"; return 0; fi
+  echo "$(date -u +%FT%TZ) start $o" >> "$OUT/study.log"
+  local rc=0
+  $CEMTOOL saturation sweep "$@" --out "$o" --quiet > "$o.log" 2>&1 || rc=$?
+  if [ $rc = 0 ]; then
+    echo "$(date -u +%FT%TZ) done  $o" >> "$OUT/study.log"
+  else
+    echo "$(date -u +%FT%TZ) exit $rc $o (see $o.log)" >> "$OUT/study.log"
+  fi
 }
 
 saturation() {  # saturation OUTDIR SEEDS [DATA OPTIONS...]: claim 9's sweep (the default data: the n-gram rule)

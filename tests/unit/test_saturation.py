@@ -240,6 +240,22 @@ def test_ngram_noise_free_rule_is_deterministic():
     assert c.info["rule_entropy"] == 0.0
 
 
+def test_ngram4_source_is_the_4_gram_rule():
+    """ngram4: each token follows the rule of the 3 before it (with probability 1 - eps + eps/V), not of the 2
+    before it (the ngram source's order 3), and its exact floor accounts for 3 uniform head tokens."""
+    cfg = DataConfig(source="ngram4", seq_len=15, train_tokens=32_000, val_tokens=8_000, seed=7)
+    c = load_corpus(cfg)
+    V, eps = syn.NGRAM_VOCAB, syn.NGRAM_NOISE
+    assert c.name == "ngram4" and c.info["order"] == 4 and c.info["source"] == "ngram4"
+    t = c.train.astype(np.int64).reshape(-1, 16)
+    four = syn.apply_rule(syn.ngram_rule(V, 4, 7), t[:, 5:8], V)
+    three = syn.apply_rule(syn.ngram_rule(V, 3, 7), t[:, 6:8], V)
+    assert np.mean(t[:, 8] == four) == pytest.approx(1 - eps + eps / V, abs=0.015)
+    assert np.mean(t[:, 8] == three) < 0.3  # the order-3 rule explains it no better than chance
+    nll = c.val_nll.reshape(-1, 16)
+    assert np.allclose(nll[:, :3], math.log(V)) and not np.allclose(nll[:, 3], math.log(V))
+
+
 # -- the command ------------------------------------------------------------------------------------------------
 
 
