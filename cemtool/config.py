@@ -94,6 +94,10 @@ class LimeConfig:
                        choices=("static", "softmax", "dynamic"))
     router_lr_mult: float = opt(10.0, "learning-rate multiplier of the router parameters (own optimizer group)",
                                 min=0.0, max=1e4)
+    router_lr: float = opt(0.0, "absolute peak lr of the router group (the reference code's 1e-2), on train.lr's "
+                                "schedule; 0 = router_lr_mult x train.lr", min=0.0, max=100.0)
+    freeze_router: bool = opt(False, "keep the routers at their random initialisation (no gradient): the control "
+                                     "of what training the routers adds")
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ OPTIMIZERS = ("adamw", "muon")
 
 def param_groups(model: torch.nn.Module, tc: TrainConfig) -> list[dict]:
     """Named AdamW groups. Matrices of Linear layers decay; norms, biases, scalars and embeddings do not.
-    A family may tag a parameter with ``p.opt_group = "name"`` and ``p.lr_mult = x`` (e.g. LIMe's routers)."""
+    A family may tag a parameter with ``p.opt_group = "name"`` and ``p.lr_mult = x`` (e.g. LIMe's routers), or
+    ``p.lr_abs = x``: an absolute peak rate, on the schedule of train.lr."""
     emb_ids = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     groups: dict[str, dict] = {}
     for name, p in model.named_parameters():
@@ -38,6 +39,11 @@ def param_groups(model: torch.nn.Module, tc: TrainConfig) -> list[dict]:
         default = "decay" if (p.dim() >= 2 and id(p) not in emb_ids) else "no_decay"
         g = getattr(p, "opt_group", default)
         lr_mult = float(getattr(p, "lr_mult", 1.0))
+        if hasattr(p, "lr_abs"):  # an absolute rate on train.lr's schedule: the multiplier that gives it at the peak
+            if tc.lr <= 0:
+                raise ConfigError(f"{name} has an absolute learning rate ({p.lr_abs:g}), which needs train.lr > 0 "
+                                  f"to follow its schedule")
+            lr_mult = float(p.lr_abs) / tc.lr
         wd = tc.weight_decay if g == "decay" else float(getattr(p, "weight_decay", 0.0))
         entry = groups.setdefault(g, {"name": g, "params": [], "param_names": [], "lr_mult": lr_mult,
                                       "weight_decay": wd})

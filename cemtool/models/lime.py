@@ -32,7 +32,9 @@ dynamic (earlier version) [recon]
     starts near uniform). Each position only reads its own states h_m[t], which only see tokens <= t: causal.
 
 Router parameters (W^(l), the logits, the dynamic router's matrix) are tagged for their own AdamW group:
-``p.opt_group = "router"``, ``p.lr_mult = lime.router_lr_mult`` (10 in the reference), ``p.weight_decay = 0``.
+``p.opt_group = "router"``, ``p.lr_mult = lime.router_lr_mult`` (10 in the reference), ``p.weight_decay = 0``;
+``lime.router_lr`` sets an absolute rate instead (the reference code's 1e-2), and ``lime.freeze_router`` keeps the
+routers at their random initialisation (the control of what their training adds).
 
 Hook points of block l, besides resid_pre/resid_mid/resid_post and the attention's:
   lime.weights  static: W^(l) (R_l, R_0+...+R_l), the identity at l = 0; softmax: the mix (H, l+1); dynamic: the
@@ -70,10 +72,16 @@ class Memory:
 
 
 def router_param(p: nn.Parameter, cfg: ModelConfig) -> nn.Parameter:
-    """Tag a router parameter for its own optimizer group (read by cemtool.train.param_groups)."""
+    """Tag a router parameter for its own optimizer group (read by cemtool.optim.param_groups): its lr is
+    ``lime.router_lr`` when set (absolute, ``p.lr_abs``), else ``lime.router_lr_mult`` x train.lr; with
+    ``lime.freeze_router`` it takes no gradient and keeps its initialisation."""
     p.opt_group = "router"
     p.lr_mult = cfg.lime.router_lr_mult
+    if cfg.lime.router_lr > 0:
+        p.lr_abs = cfg.lime.router_lr
     p.weight_decay = 0.0
+    if cfg.lime.freeze_router:
+        p.requires_grad_(False)
     return p
 
 

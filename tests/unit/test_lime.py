@@ -191,6 +191,33 @@ def test_router_parameters_get_their_own_group(arch):
                                                               for n in g["param_names"])
 
 
+def test_router_at_an_absolute_lr_and_frozen(arch_pair=("lime", "lime-softmax")):
+    """lime.router_lr: the router group's peak lr is that number whatever train.lr (the reference code's 1e-2), and
+    it follows train.lr's schedule; lime.freeze_router: the routers take no gradient and a training step leaves
+    them exactly at their initialisation while every other parameter moves."""
+    from cemtool.optim import param_groups
+
+    for arch in arch_pair:
+        for lr in (1e-3, 3e-3):
+            model = build_model(tiny(arch, "model.lime.router_lr=0.01"))
+            groups = {g["name"]: g for g in make_optimizer(model, TrainConfig(lr=lr), torch.device("cpu")).param_groups}
+            assert groups["router"]["lr"] == pytest.approx(0.01) and groups["decay"]["lr"] == pytest.approx(lr)
+        with pytest.raises(ConfigError, match="absolute learning rate"):
+            param_groups(build_model(tiny(arch, "model.lime.router_lr=0.01")), TrainConfig(lr=0.0))
+        model = built(arch, "model.lime.freeze_router=true")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        routers = [n for n in before if ".lime." in n and ROUTER_PARAM[arch] in n]
+        assert routers and all(not dict(model.named_parameters())[n].requires_grad for n in routers)
+        opt = make_optimizer(model, TrainConfig(lr=1e-2), torch.device("cpu"))
+        assert not any(n in routers for g in opt.param_groups for n in g["param_names"])
+        x = tokens()
+        lm_loss(model(x[:, :-1]), x[:, 1:]).backward()
+        opt.step()
+        after = dict(model.named_parameters())
+        assert all(torch.equal(after[n], before[n]) for n in routers)
+        assert not torch.equal(after["tok_emb.weight"], before["tok_emb.weight"])
+
+
 def test_static_flops_overhead_is_the_router_matmul():
     """Extra forward FLOPs per token = sum_{l>=1} 2 * R * (l+1) R * 2 d_h (one matmul for K and V)."""
     L, R, dh = 3, 4, 8
