@@ -44,8 +44,9 @@ PARTS = {"grammar": "grammar corpus, AdamW", "grammar-muon": "grammar corpus, Mu
          "pydoc": "Python docs (BPE 1,024), AdamW",
          "stdlib": "the standard library's source (BPE 1,024), >= 20 tokens per parameter, AdamW"}
 SPECIAL = {"baseline-wide", "baseline-cem-size", "baseline-lime-flops", "early-heavy", "late-lowrank",
-           "late-lowrank-75", "depth12", "tmm-zero", "hb-zero", "nesterov-zero"}  # studies that hold a variant of an
-# architecture, not its default (the -zero studies: the streams zero-initialised, the stdlib part's control)
+           "late-lowrank-75", "depth12", "tmm-zero", "hb-zero", "nesterov-zero", "lime-router-abs", "lime-frozen",
+           "init"}  # studies that hold a variant of an architecture, not its default (the stdlib part's controls:
+# the streams zero-initialised, LIMe's router at the reference's lr and frozen, the models at initialisation)
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
 MOMENTUM_ONLY = ["hb", "nesterov", "tmm"]  # momentum, no preconditioning
 PRECOND_ONLY = ["rmsprop", "shampoo", "ortho"]  # preconditioning (or orthogonalisation), no momentum

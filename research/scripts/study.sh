@@ -54,6 +54,7 @@ MOMENTUM_GRID=$LR_GRID,1e-1  # ortho and shampoo chose 3e-2, LR_GRID's edge, on 
 MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and tmm chose 0.04, the old edge: the
 # comparisons keep every other architecture's runs (cemtool sweep --tuned re-plans, docs/sweep.md)
 ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
+COLLAPSE_ARGS=()  # options of the collapse report, where a group runs it (the stdlib part: a harder probe)
 SATURATION=()  # a part's own saturation sweep at the end of lane 2: SEEDS [DATA OPTIONS...] (the pydoc part)
 LANE1_ANALYSIS_ARGS=()  # more options for lane 1's analyses (the pydoc part: its sharpness measures what claims
 # 6 and 8 use, see there)
@@ -94,6 +95,7 @@ group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   sweep "$out/tune/$name" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
   local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses")
   [[ ",$analyses," == *,forgetting,* ]] && an+=("${ANALYSIS_ARGS[@]}")  # --to is forgetting's (refused without it)
+  [[ ",$analyses," == *,collapse,* ]] && an+=("${COLLAPSE_ARGS[@]}")
   sweep "$out/$name" --tuned "$out/tune/$name" --seeds "$seeds" "${an[@]}"
 }
 
@@ -220,6 +222,10 @@ stdlib() {
   # sharpness: the full protocol on 2,048 tokens without the loss-landscape slice (30 s a run)
   ANALYSIS_ARGS=(--to pydoc -A forgetting.step_fraction=0.03 -A forgetting.lr_scale=0.1
                  -A sharpness.landscape=none)
+  # collapse: the default probe. A 64-word probe is no harder: on an untrained lime model (one step at lr 0) it
+  # reads 1.00 in every layer, since a token's identity is linearly decodable from its value vector by
+  # construction; a probe the baseline does not saturate needs another target (not built yet)
+  COLLAPSE_ARGS=()
   local l1= l2=
   lane 1 && (
     for a in tmm hb nesterov adam adamw rmsprop muon ortho; do
@@ -228,7 +234,7 @@ stdlib() {
   ) &
   lane 1 && l1=$!
   lane 2 && (
-    group "$o" baseline baseline sharpness,forgetting $S "$grid"
+    group "$o" baseline baseline sharpness,forgetting,collapse $S "$grid"
     saturation_controls "$o"
     group "$o" baseline-wide baseline sharpness,forgetting $S "$grid" "${WIDE[@]}"
     for a in tmm hb nesterov; do
@@ -239,6 +245,12 @@ stdlib() {
     done
     group "$o" late-lowrank-75 baseline "" $S "$grid" --set "model.head_dims=$LOWRANK_75"
     group "$o" lime lime collapse $S "$grid"
+    group "$o" lime-router-abs lime collapse $S "$grid" --set model.lime.router_lr=0.01  # the reference code's lr
+    group "$o" lime-frozen lime collapse $S "$grid" --set model.lime.freeze_router=true  # a random router, frozen
+    # value entropy and separability at initialisation: one step at lr 0 leaves the weights as initialised
+    sweep "$o/init" --archs baseline,lime --seeds $S --tokens 2048 --data stdlib --set data.tokenizer=bpe \
+      --set data.bpe_vocab_size=1024 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4 \
+      --set data.seq_len=128 --set train.batch_size=16 --set train.lr=0 --analyses collapse "${COLLAPSE_ARGS[@]}"
     for a in cem cem-rec2 cem-precond cem-dplr cem-full; do
       group "$o" "$a" "$a" "" $S "$grid"
     done
