@@ -142,7 +142,8 @@ class ModelConfig:
 class DataConfig:
     """Where tokens come from and how they are cut into windows."""
 
-    source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), 'ngram', "
+    source: str = opt("grammar", "'grammar' (built-in, exact entropy floor), 'grammar-b' (its sibling), "
+                                 "'grammar-hard' (nested to depth 4), 'ngram', 'ngram4', "
                                  "'pydoc', 'stdlib' or 'stdlib-core' (Python's standard library source, with or "
                                  "without its tests), or a path to a .txt file or a folder of .txt files, or "
                                  "pretokenised token files (.bin, .npy, or a folder with train.bin and val.bin)")

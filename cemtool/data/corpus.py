@@ -152,6 +152,7 @@ def _pydoc(cfg: DataConfig, tokenizer: Tokenizer | None) -> Corpus:
 
 register_source("grammar", _grammar)
 register_source("grammar-b", lambda cfg, tok: _grammar(cfg, tok, "grammar-b"))
+register_source("grammar-hard", lambda cfg, tok: _grammar(cfg, tok, "grammar-hard"))
 register_source("pydoc", _pydoc)
 
 
