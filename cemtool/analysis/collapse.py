@@ -499,6 +499,10 @@ def measure(subject, options: Options | None = None, progress: Callable[[str, in
     """Collapse measures, per-layer summary, LIMe routing and momentum-stream scalars of a subject on its
     validation windows (each "not applicable" where the architecture has none)."""
     o = options or Options()
+    why = subject.model.inside_blocks()
+    if why is not None:
+        raise CemtoolError(f"collapse-report reads inside the blocks: {why}",
+                           hint="sharpness and forgetting take any causal LM")
     cfg = subject.config
     T = o.seq_len or cfg.data.seq_len
     if T > cfg.model.max_seq_len:

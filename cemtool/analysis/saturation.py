@@ -591,6 +591,10 @@ def measure(subject, options: Options | None = None, progress: Callable[[str, in
             ) -> SaturationReport:
     """Truncate every head's score form to rank r on the subject's validation windows; the allocation advice."""
     o = options or Options()
+    why = subject.model.inside_blocks()
+    if why is not None:
+        raise CemtoolError(f"saturation reads inside the blocks: {why}",
+                           hint="sharpness and forgetting take any causal LM")
     cfg = subject.config
     T = cfg.data.seq_len
     if o.tokens < T:

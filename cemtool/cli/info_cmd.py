@@ -58,13 +58,29 @@ def archs(
     match_flops: Annotated[Optional[str], typer.Option(help="size a baseline to the training FLOPs/token of this "
                                                         "architecture or run")] = None,
     match_arch: Annotated[str, typer.Option(help="the architecture to resize when matching")] = "baseline",
+    hf: Annotated[bool, typer.Option("--hf", help="list the installed transformers' causal-LM families and the "
+                                               "tier cemtool gives each (b: every analysis; a: sharpness and "
+                                               "forgetting through the logits)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
 ) -> None:
     """List the registered architectures: name, family and what each is (instant; no model is built).
+    With --hf, the Hugging Face families instead, each with its tier (docs/models.md).
 
     With --sizes (or --set/--vocab/--seq-len/--time), build each one and add parameters and FLOPs per token.
     With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
     vocab_, seq_len_ = vocab or 512, seq_len or 64
+    if hf:
+        from cemtool.subject.hf.loader import hf_families  # start-up: transformers
+
+        rows = hf_families()
+        if json_:
+            console.print_json(rows)
+            return
+        counts = {t: sum(r["tier"] == t for r in rows) for t in ("b", "a", "refused")}
+        console.table(f"transformers causal-LM families: {counts['b']} tier b, {counts['a']} tier a, "
+                      f"{counts['refused']} refused", ["model_type", "class", "tier", "what cemtool runs on it"],
+                      [[r["model_type"], r["class"], r["tier"], r["note"]] for r in rows])
+        return
     if match_params or match_flops:
         from cemtool.analysis.compute import match_width, target_size  # start-up: torch
 

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -244,8 +245,6 @@ def sweep(
 ) -> None:
     """Train over head sizes at a fixed budget H*d_h and over sequence lengths; loss vs d_h per T, the gain per
     doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
-    from dataclasses import replace
-
     import cemtool.data.synthetic  # noqa: F401  (start-up: registers the ngram source; torch loads when it runs)
     from cemtool.analysis.saturation import choose_lrs, summarise_sweep, sweep_grid
     from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)

@@ -36,6 +36,11 @@ class Capabilities:
 
     family = ""
 
+    def inside_blocks(self) -> str | None:
+        """None when the analyses that read inside the blocks (hook points, attention shapes) can read this model;
+        else why not (a Hugging Face model measured through its logits only: cemtool.subject.hf.logits_only)."""
+        return None
+
     def hook_points(self) -> dict[str, HookPoint]:
         """Every capture point by name (``blocks.3.attn.v``, ``blocks.3.resid_post``, ...)."""
         return hook_points(self)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
@@ -22,6 +21,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from cemtool.analysis.curvature.blocks import layer_of
 from cemtool.distributed import all_reduce_sum, shard
 from cemtool.errors import CemtoolError
 from cemtool.memory import check_curvature_memory as check_memory
@@ -76,9 +76,9 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
             idx = part[len("layer:"):]
             if not idx.isdigit():
                 raise CemtoolError(f"bad parameter selection {part!r}", hint="use layer:N with N an integer")
-            hit = {n for n, _ in named if n.startswith(f"blocks.{int(idx)}.")}
+            hit = {n for n, _ in named if layer_of(n) == int(idx)}
             if not hit:
-                layers = sorted({int(m.group(1)) for n, _ in named if (m := re.match(r"blocks\.(\d+)\.", n))})
+                layers = sorted({k for n, _ in named if (k := layer_of(n)) is not None})
                 raise CemtoolError(f"parameter selection {part!r}: the model has no layer {idx}",
                                    hint=f"layers are {layers[0]}..{layers[-1]}" if layers else None)
         elif part in ("attn", "mlp", "embed"):

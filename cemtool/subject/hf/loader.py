@@ -20,7 +20,11 @@ Rules (docs/models.md):
   pretokenised ids (``.bin``/``.npy`` data);
 - at load, the adapter's logits (with every hook point captured) are compared with the plain transformers forward
   (no hooks; the default attention kernel) on a few sequences; a mismatch beyond 1e-5 is refused, and the check is
-  recorded in the source description every report's provenance carries.
+  recorded in the source description every report's provenance carries;
+- two tiers (docs/models.md): a model type with a declared family adapter (gpt2.py, gpt_neox.py, llama.py) is
+  wrapped in ForeignLM (hook points: every analysis); any other causal LM transformers builds is wrapped in
+  :class:`~cemtool.subject.hf.logits_only.LogitsLM` (its own forward, no hook points: sharpness and forgetting;
+  collapse-report and saturation refuse it by name).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from cemtool.subject.hf.adapter import ForeignLM
 from cemtool.subject.hf.gpt2 import GPT2
 from cemtool.subject.hf.gpt_neox import GPTNeoX
 from cemtool.subject.hf.llama import LlamaLike
+from cemtool.subject.hf.logits_only import LogitsLM
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 from cemtool.writes import atomic_write_json, os_error
 
@@ -193,33 +198,55 @@ def read_headers(weights: list[Path]) -> dict[str, TensorInfo]:
 # the tensors the model expects, its size
 
 
-def config_params(path: Path, config, fam) -> tuple[int, int]:
-    """(parameters of the config's model, layers), counted without building it: a one-layer copy is built on the
-    meta device (no memory), and the layers are alike, so a config with a million layers costs nothing."""
-    transformers = _transformers()
+def config_params(path: Path, config) -> tuple[int, int]:
+    """(parameters of the config's model, layers), counted without building it: copies with one and two layers are
+    built on the meta device (no memory) and the layers are alike, so a config with a million layers costs nothing
+    (any family: total = P1 + (L - 1) (P2 - P1)). A config whose layer count cannot be changed (a per-layer list
+    that does not follow it) is built whole on the meta device, up to MAX_META_LAYERS layers."""
     layers = getattr(config, "num_hidden_layers", None)
     if type(layers) is not int or layers < 1:
         raise CemtoolError(f"{path / 'config.json'}: num_hidden_layers={layers!r} is not a whole number >= 1")
-    one = copy.deepcopy(config)
-    one.num_hidden_layers = 1
     try:
-        with torch.device("meta"):
-            m = transformers.AutoModelForCausalLM.from_config(one, attn_implementation="eager",
-                                                              trust_remote_code=False)
+        p1, p2 = (_meta_params(_with_layers(config, k)) for k in (1, 2))
+        return p1 + (layers - 1) * (p2 - p1), layers
+    except Exception:  # noqa: BLE001  (this family's config does not follow num_hidden_layers: build it whole)
+        pass
+    if layers > MAX_META_LAYERS:
+        raise CemtoolError(f"{path / 'config.json'}: {layers:,} layers, and this family's size cannot be counted "
+                           f"from fewer (at most {MAX_META_LAYERS:,} are built to count it)")
+    try:
+        return _meta_params(config), layers
     except Exception as e:  # noqa: BLE001  (a config transformers cannot build: one line, whatever it raises)
         raise CemtoolError(f"{path / 'config.json'}: transformers cannot build this model "
                            f"({type(e).__name__}: {' '.join(str(e).split())[:200]})") from None
-    total = sum(t.numel() for t in m.parameters())
-    layer = sum(t.numel() for t in fam.backbone(m).layers[0].parameters())
-    return total + (layers - 1) * layer, layers
 
 
-def check_size(spec: str, path: Path, config, fam, found: dict[str, TensorInfo]) -> int:
+MAX_META_LAYERS = 4096
+
+
+def _with_layers(config, k: int):
+    """A copy of ``config`` with k layers (and its per-layer type list, where it has one, cut to k)."""
+    c = copy.deepcopy(config)
+    c.num_hidden_layers = k
+    types = getattr(c, "layer_types", None)
+    if isinstance(types, list) and len(types) >= k:
+        c.layer_types = types[:k]
+    return c
+
+
+def _meta_params(config) -> int:
+    with torch.device("meta"):
+        m = _transformers().AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                             trust_remote_code=False)
+    return sum(t.numel() for t in m.parameters())
+
+
+def check_size(spec: str, path: Path, config, found: dict[str, TensorInfo]) -> int:
     """Refuse, before anything is built, a model whose weights cannot fit in memory (cemtool.memory's estimate:
     4 bytes per parameter), and one with more than twice the parameters the weight files hold (a config with a
     million layers for weights of two: tensors are missing, and building it would take minutes; a smaller
     shortfall is named tensor by tensor once loaded, :func:`check_loading`). Returns the parameter count."""
-    params, layers = config_params(path, config, fam)
+    params, layers = config_params(path, config)
     check_weights_memory(params, f"{spec} ({layers:,} layers)", "cpu")
     held = sum(t.numel for t in found.values())
     if params > 2 * held:
@@ -358,6 +385,69 @@ def logits_check(model, sequences: int = 2, tokens: int = 16, seed: int = 0) -> 
                          f"({reference} attention, no hooks)", "passed": diff <= TOLERANCE * scale}
 
 
+def causality_check(model, tokens: int = 9, seed: int = 1) -> dict:
+    """What cemtool's next-token losses assume of a model, measured on its own forward: (1) changing the last token
+    changes no earlier logit (causal), and (2) the logits of a prefix are those of the longer sequence (a window's
+    losses do not depend on its length). A bidirectional model, or a tiny config whose positional code is
+    inconsistent, fails one of them."""
+    T = min(tokens, model.max_seq_len)
+    V = int(model.cfg.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, V, (2, T), generator=g)  # (2, T)
+    other = idx.clone()
+    other[:, -1] = (idx[:, -1] + 1 + torch.randint(0, V - 1, (2,), generator=g)) % V  # another last token
+    with torch.no_grad():
+        full, changed, prefix = model(idx).float(), model(other).float(), model(idx[:, :-1]).float()
+    scale = max(1.0, float(full.abs().max()))
+    future = float((full[:, :-1] - changed[:, :-1]).abs().max())
+    length = float((full[:, :-1] - prefix).abs().max())
+    return {"tokens": T, "future_token_effect": future, "prefix_effect": length, "scale": scale,
+            "tolerance": TOLERANCE, "passed": max(future, length) <= TOLERANCE * scale}
+
+
+def hf_families() -> list[dict]:
+    """Every model type of the installed transformers' causal-LM mapping, and the tier cemtool gives it: ``b`` (a
+    declared family adapter: every analysis), ``a`` (through the logits alone: sharpness and forgetting; the load-time
+    causality check still applies), or refused by kind (encoder-decoder; an encoder whose causal head needs
+    ``is_decoder``). Read from the mapping and the config classes' defaults: no model is built."""
+    transformers = _transformers()
+    # optional dependency: transformers (importable here: _transformers() above succeeded)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
+    )
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
+    )
+
+    adapters = family_adapters()
+    rows = []
+    verbosity = transformers.utils.logging.get_verbosity()
+    transformers.utils.logging.set_verbosity_error()  # default configs warn about their own token ids
+    try:
+        kinds = {}
+        for mt in CAUSAL:
+            try:
+                kinds[mt] = bool(getattr(CONFIG_MAPPING[mt](), "is_encoder_decoder", False))
+            except Exception:  # noqa: BLE001  (a config class without usable defaults: judged when loaded)
+                kinds[mt] = False
+    finally:
+        transformers.utils.logging.set_verbosity(verbosity)
+    for mt, cls in sorted(CAUSAL.items()):
+        enc_dec = kinds[mt]
+        if mt in adapters:
+            tier, note = "b", f"adapter {adapters[mt].name}: every analysis"
+        elif enc_dec:
+            tier, note = "refused", "encoder-decoder"
+        elif mt in MASKED:
+            tier, note = "a", "an encoder family: only a config with is_decoder=true is causal (checked at load)"
+        else:
+            tier, note = "a", "logits only: sharpness, forgetting (collapse-report and saturation need an adapter)"
+        rows.append({"model_type": mt, "class": cls if isinstance(cls, str) else str(cls), "tier": tier,
+                     "note": note})
+    return rows
+
+
 def register_arch(config: dict) -> str:
     """Register the architecture of a transformers config with cemtool's registry (so that ``build_model`` and the
     training loop, e.g. a forgetting fine-tune, build it, with fresh weights) under ``hf-<model_type>-<hash>``."""
@@ -386,7 +476,8 @@ def build_foreign(cfg):
     config = transformers.AutoConfig.for_model(body.pop("model_type"), **body)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
                                                        trust_remote_code=False).float().eval()
-    return ForeignLM(hf, family_adapters()[config.model_type], arch=cfg.arch)
+    fam = family_adapters().get(config.model_type)
+    return ForeignLM(hf, fam, arch=cfg.arch) if fam is not None else LogitsLM(hf, arch=cfg.arch)
 
 
 ADDED = "added by cemtool export (zero; the run has no such parameters)"
@@ -455,19 +546,24 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     refuse_remote_code(path)
     weights = check_files(path)
     config = read_config(path)
-    fam = family_adapters().get(config.model_type)
-    if fam is None:
-        raise CemtoolError(f"{spec}: model type {config.model_type!r} has no cemtool adapter",
-                           hint=f"supported: {', '.join(sorted(family_adapters()))} (docs/models.md says how to add "
-                                f"one)")
+    fam = family_adapters().get(config.model_type)  # None: tier a, through the logits alone (logits_only.py)
     found = read_headers(weights)
-    check_size(spec, path, config, fam, found)
+    check_size(spec, path, config, found)
     record = read_export(path)
     hf = load_hf_model(path, config, spec)
     arch = register_arch(config.to_dict())
-    model = ForeignLM(hf, fam, arch=arch)
+    model = ForeignLM(hf, fam, arch=arch) if fam is not None else LogitsLM(hf, arch=arch)
     mark_added(model, (record or {}).get("added_parameters") or [], spec)
-    check = logits_check(model)
+    causal = causality_check(model)
+    if not causal["passed"]:
+        what = "a later token changes earlier logits" if causal["future_token_effect"] > TOLERANCE * causal["scale"] \
+            else "a prefix's logits differ from the longer sequence's"
+        by = max(causal["future_token_effect"], causal["prefix_effect"])
+        raise CemtoolError(f"{spec}: model type {config.model_type!r} is not a causal language model as cemtool "
+                           f"measures one: {what} (by {by:.3g})",
+                           hint="cemtool analyses next-token (causal) language models")
+    check = logits_check(model) if fam is not None else {
+        "passed": True, "reference": "none needed: tier a runs transformers' own forward, nothing is remapped"}
     if not check["passed"]:
         raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
                            f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
@@ -481,7 +577,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
                  "tokenizer": "token ids alone (the data is pretokenised; the directory has no tokenizer)"
                  if tok.kind == "ids" else "the model's own",
-                 "logits_check": check, "config": config.to_dict(), "exported_from": record,
+                 "logits_check": check, "causality_check": causal, "config": config.to_dict(),
+                 "exported_from": record, "tier": "b" if fam is not None else "a",
                  "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)

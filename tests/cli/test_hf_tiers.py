@@ -1,0 +1,175 @@
+"""Every causal LM transformers builds, tier a (cemtool.subject.hf.logits_only): the families are enumerated from the
+installed transformers' causal-LM mapping (not a hand list), each built tiny from its config; its loss through
+cemtool equals transformers' own ``model(input_ids, labels=)`` and one Hessian-vector product runs; the round trip
+through a saved directory and the CLI for one state-space, one mixture-of-experts and one attention family; the
+analyses that read inside the blocks refuse a tier-a model by name."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+from test_hf import WORDS, invoke, one_line_error, save_tiny
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING
+
+from cemtool.analysis.curvature.operators import make_operator
+from cemtool.errors import CemtoolError
+from cemtool.models.lm import lm_loss
+from cemtool.subject import open_subject
+from cemtool.subject.hf.loader import causality_check, family_adapters
+from cemtool.subject.hf.logits_only import LogitsLM
+
+V = 128
+TINY = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=64, max_position_embeddings=64, head_dim=8, num_local_experts=4, num_experts=4,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, bos_token_id=0, eos_token_id=0,
+            pad_token_id=0)
+MAX_PARAMS = 1_000_000  # a tiny config the generic sizes do not shrink (a family's own large defaults) is skipped
+
+
+def tiny_hf(model_type: str):
+    """A tiny causal LM of a family from the generic sizes above, or the reason it cannot be built so."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg = transformers.AutoConfig.for_model(model_type, **TINY)
+        except Exception as e:  # noqa: BLE001
+            return None, f"config: {type(e).__name__}"
+        if getattr(cfg, "is_encoder_decoder", False) or (type(cfg) in MODEL_FOR_MASKED_LM_MAPPING
+                                                         and not getattr(cfg, "is_decoder", False)):
+            return None, "not a decoder-only causal LM (cemtool refuses it by kind)"
+        try:
+            with torch.device("meta"):
+                n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
+            if n > MAX_PARAMS:
+                return None, f"{n:,} parameters at the generic sizes"
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+        except Exception as e:  # noqa: BLE001
+            return None, f"build: {type(e).__name__}"
+        try:
+            with torch.no_grad():
+                model(input_ids=torch.ones(1, 4, dtype=torch.long), use_cache=False)
+        except Exception as e:  # noqa: BLE001  (the generic sizes break this family's own constraints)
+            return None, f"forward at the generic sizes: {type(e).__name__}"
+        return model, None
+
+
+TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+REFUSED: dict[str, dict] = {}
+UNSHIFTED: set[str] = set()  # families whose model(labels=) scores logits[t] against labels[t] (no shift)
+
+
+def test_the_enumeration_covers_the_families_people_analyse():
+    built = {t for t in TYPES if tiny_hf(t)[0] is not None}
+    named = {"phi", "phi3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "qwen3", "qwen3_moe", "mixtral",
+             "stablelm", "gpt_bigcode", "bloom", "opt", "starcoder2", "cohere", "granite", "smollm3", "mamba",
+             "jamba", "falcon_mamba", "rwkv"}
+    assert named <= built, sorted(named - built)
+    assert len(built) >= 100  # 132 of 200 causal-LM types on transformers 5.25
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_tier_a_loss_is_transformers_own_and_one_hvp_runs(model_type):
+    hf, why = tiny_hf(model_type)
+    if hf is None:
+        pytest.skip(why)
+    model = LogitsLM(hf, arch=f"hf-{model_type}")
+    causal = causality_check(model)
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(1, V, (2, 13), generator=g)
+    x, y = idx[:, :-1], idx[:, 1:]
+    with torch.no_grad():
+        ours = float(lm_loss(model(x), y))
+        theirs = float(hf(input_ids=idx, labels=idx, use_cache=False).loss)
+    if not causal["passed"]:  # refused at load (a bidirectional model, an inconsistent tiny config): say which
+        REFUSED[model_type] = causal
+        return
+    if ours != pytest.approx(theirs, rel=1e-6, abs=1e-6):  # a family whose labels= loss does not shift (TrOCR)
+        with torch.no_grad():
+            logits = hf(input_ids=idx, use_cache=False).logits
+            unshifted = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1)))
+        assert theirs == pytest.approx(unshifted, rel=1e-6), (ours, theirs)
+        UNSHIFTED.add(model_type)
+        assert ours == pytest.approx(float(lm_loss(logits[:, :-1], y)), rel=1e-6)
+    else:
+        assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)
+    with make_operator("hessian", model, x, y, params="all", dtype="fp32", device="cpu", batch_size=None,
+                       graph_budget=None, vectors=1, hvp="exact", mc_samples=1, seed=0) as op:
+        v = torch.randn(op.n, generator=g)
+        hv = op.matvec(v)
+    assert hv.shape == v.shape and torch.isfinite(hv).all() and float(v.double() @ hv.double()) != 0.0
+    assert model.inside_blocks() is not None and model.num_params()["total"] == sum(p.numel() for p in
+                                                                                   hf.parameters())
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "qwen3_moe", "phi3"])
+def test_tier_a_through_a_saved_directory_and_the_cli(model_type, tmp_path):
+    import numpy as np
+
+    from cemtool.data.tokenizer import word_tokenizer
+
+    word_text = tmp_path / "words.txt"
+    rng = np.random.default_rng(0)
+    word_text.write_text("\n".join(" ".join(rng.choice(WORDS, 16)) for _ in range(200)) + "\n", encoding="utf-8")
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, "vocab_size": len(WORDS) + 2})
+    d = save_tiny(tmp_path / model_type, cfg, word_tokenizer(WORDS))
+    word_text = str(word_text)
+    s = open_subject(d, data=word_text)
+    assert isinstance(s.model, LogitsLM) and model_type not in family_adapters()
+    res = invoke("sharpness", d, "--data", word_text, "--tokens", 64, "--top-k", 1, "--bottom-k", 0,
+                 "--lanczos-steps", 3, "--trace-hvps", 4, "--density-runs", 0, "--landscape", "none", "--no-plots",
+                 "-q")
+    assert res.exit_code == 0, res.output
+    res = invoke("sharpness", d, "--data", word_text, "--tokens", 64, "--params", "layer:1", "--lanczos-steps", 2,
+                 "--trace-hvps", 0, "--density-runs", 0, "--landscape", "none", "--no-plots", "--top-k", 1,
+                 "--bottom-k", 0, "-q", "--name", "layer1")
+    assert res.exit_code == 0, res.output
+    one_line_error(invoke("collapse-report", d, "--data", word_text, "--no-plots"), "logits only", "tier a")
+    with pytest.raises(CemtoolError, match="logits only"):
+        from cemtool.analysis.saturation import measure
+
+        measure(s)
+
+
+def test_the_causality_check_fails_a_bidirectional_model_and_passes_a_causal_one():
+    """The load-time check on models whose answer is known: BERT as a plain encoder (every position sees every
+    other) fails it, GPT-2 passes, and a GPT-2 whose causal mask is removed fails."""
+    bert = transformers.BertLMHeadModel(transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=1,
+                                                                num_attention_heads=2, intermediate_size=32,
+                                                                is_decoder=False)).eval()
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2,
+                                                                n_positions=64)).eval()
+    assert not causality_check(LogitsLM(bert, arch="x"))["passed"]
+    assert causality_check(LogitsLM(gpt2, arch="x"))["passed"]
+
+    class Unmasked(torch.nn.Module):  # the same GPT-2 attending to the future: an all-ones 4-D mask
+        def __init__(self, m):
+            super().__init__()
+            self.m, self.config = m, m.config
+            self.get_output_embeddings = m.get_output_embeddings
+            self.get_input_embeddings = m.get_input_embeddings
+
+        def forward(self, input_ids, use_cache=False):
+            B, T = input_ids.shape
+            mask = torch.zeros(B, 1, T, T)  # additive: 0 everywhere, nothing masked
+            return self.m(input_ids=input_ids, attention_mask=mask, use_cache=False)
+
+    check = causality_check(LogitsLM(Unmasked(gpt2), arch="x"))
+    assert not check["passed"] and check["future_token_effect"] > 1e-3
+
+
+def test_archs_hf_lists_every_family_with_its_tier():
+    import json
+
+    res = invoke("archs", "--hf", "--json")
+    assert res.exit_code == 0, res.output
+    rows = {r["model_type"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
+    assert set(rows) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)  # enumerated, not a hand list
+    assert {t for t, r in rows.items() if r["tier"] == "b"} == set(family_adapters())
+    assert rows["mamba"]["tier"] == "a" and rows["qwen3_moe"]["tier"] == "a"
+    assert rows["bart"]["tier"] == "refused" and "encoder-decoder" in rows["bart"]["note"]
+    text = invoke("archs", "--hf")
+    assert text.exit_code == 0 and "tier b" in text.stdout and "gpt_neox" in text.stdout
