@@ -128,6 +128,14 @@ def test_tier_a_through_a_saved_directory_and_the_cli(model_type, tmp_path):
                  "--bottom-k", 0, "-q", "--name", "layer1")
     assert res.exit_code == 0, res.output
     one_line_error(invoke("collapse-report", d, "--data", word_text, "--no-plots"), "logits only", "tier a")
+    if model_type == "mamba":  # forgetting fine-tunes a tier-a model: the registered architecture builds it again
+        res = invoke("forgetting", d, "--data", word_text, "--to", word_text, "--steps", 2, "--eval-every", 1,
+                     "--eval-tokens", 64, "--out", tmp_path / "ft", "--device", "cpu", "-q", "--json")
+        assert res.exit_code == 0, res.output
+        import json
+
+        rep = json.loads(res.stdout)
+        assert [p["step"] for p in rep["curve"]] == [0, 1, 2] and rep["source"]["step"] is None
     with pytest.raises(CemtoolError, match="logits only"):
         from cemtool.analysis.saturation import measure
 
