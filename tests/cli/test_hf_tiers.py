@@ -11,13 +11,16 @@ import warnings
 import pytest
 import torch
 import transformers
-from test_hf import WORDS, invoke, one_line_error, save_tiny
+from test_hf import FAMILIES, WORDS, invoke, one_line_error, save_tiny, tiny_config
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING
 
 from cemtool.analysis.curvature.operators import make_operator
 from cemtool.errors import CemtoolError
 from cemtool.models.lm import lm_loss
 from cemtool.subject import open_subject
+from cemtool.subject.hf.adapter import ForeignLM, Projection
+from cemtool.subject.hf.algebra import hook_algebra_check
+from cemtool.subject.hf.llama import LlamaLike
 from cemtool.subject.hf.loader import causality_check, family_adapters
 from cemtool.subject.hf.logits_only import LogitsLM
 
@@ -181,3 +184,39 @@ def test_archs_hf_lists_every_family_with_its_tier():
     assert rows["bart"]["tier"] == "refused" and "encoder-decoder" in rows["bart"]["note"]
     text = invoke("archs", "--hf")
     assert text.exit_code == 0 and "tier b" in text.stdout and "gpt_neox" in text.stdout
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tier b: the hook-point algebra check
+
+
+def test_the_hook_algebra_holds_for_every_adapter_family():
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        hf = transformers.AutoModelForCausalLM.from_config(tiny_config(family), attn_implementation="eager").eval()
+        fam = family_adapters()[hf.config.model_type]
+        check = hook_algebra_check(ForeignLM(hf, fam, arch="x"), fam)
+        assert check["passed"], (family, check)
+
+
+def test_deliberately_wrong_mappings_are_caught():
+    """A residual hook on the wrong side of a norm, a v hook on the keys' projection, and the Llama mapping put on
+    Gemma-2's sandwich norms: the logits stay exact (hooks that only read change nothing), the algebra does not."""
+    class MidOnTheWrongNorm(LlamaLike):
+        def mid_norm(self, layer):
+            return layer.input_layernorm  # its input is resid_pre, not the stream between attention and MLP
+
+    class VFromTheKeys(LlamaLike):
+        def projections(self, layer, s):
+            q, k, _ = super().projections(layer, s)
+            return [q, k, Projection(layer.self_attn.k_proj, "v", k.index, k.heads)]
+
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager").eval()
+    for wrong, broken in ((MidOnTheWrongNorm(), "resid_mid"), (VFromTheKeys(), "z_is_pattern_v")):
+        check = hook_algebra_check(ForeignLM(hf, wrong, arch="x"), wrong)
+        assert not check["passed"] and check[broken] > 1e-2, (broken, check)
+    gemma2 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        "gemma2", **{**TINY, "num_key_value_heads": 2}), attn_implementation="eager").eval()
+    check = hook_algebra_check(ForeignLM(gemma2, LlamaLike(), arch="x"), LlamaLike())
+    assert not check["passed"] and (check["resid_mid"] > 1e-2 or check["resid_post"] > 1e-2), check

@@ -51,6 +51,7 @@ from cemtool.models.registry import register
 from cemtool.runs import Run
 from cemtool.subject.base import Subject
 from cemtool.subject.hf.adapter import ForeignLM
+from cemtool.subject.hf.algebra import hook_algebra_check
 from cemtool.subject.hf.gpt2 import GPT2
 from cemtool.subject.hf.gpt_neox import GPTNeoX
 from cemtool.subject.hf.llama import LlamaLike
@@ -60,6 +61,7 @@ from cemtool.writes import atomic_write_json, os_error
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
+ALGEBRA_KEYS = ("rows_sum_to_one", "causal_pattern", "z_is_pattern_v", "resid_mid", "resid_post")
 TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
 EXPORT_FILE = "cemtool_export.json"  # written by cemtool export: the run's data section and tokenizer kind
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
@@ -568,6 +570,12 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
                            f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
                            hint="report it with the model's config.json")
+    algebra = hook_algebra_check(model, fam) if fam is not None else None
+    if algebra is not None and not algebra["passed"]:
+        broken = ", ".join(f"{k} off by {algebra[k]:.3g}" for k in ALGEBRA_KEYS if algebra[k] > algebra["tolerance"])
+        raise CemtoolError(f"{spec}: the {fam.name} adapter's hook points break the block's algebra ({broken}): "
+                           f"the mapping does not fit model type {config.model_type!r}",
+                           hint="sharpness and forgetting need no mapping; report the config.json")
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
     cfg = RunConfig(model=model.cfg, data=eval_data(record, data, seq_len, model.max_seq_len))
     tok = model_tokenizer(path, record, cfg.data.source, model.cfg.vocab_size)
@@ -577,7 +585,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                  "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
                  "tokenizer": "token ids alone (the data is pretokenised; the directory has no tokenizer)"
                  if tok.kind == "ids" else "the model's own",
-                 "logits_check": check, "causality_check": causal, "config": config.to_dict(),
+                 "logits_check": check, "causality_check": causal, "hook_algebra_check": algebra,
+                 "config": config.to_dict(),
                  "exported_from": record, "tier": "b" if fam is not None else "a",
                  "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)

@@ -1,0 +1,63 @@
+"""The hook-point algebra check of a tier-b adapter (docs/models.md): the values the adapter shows at its hook
+points must satisfy the block's own algebra, computed from the model's own modules. The logits check cannot see a
+wrong mapping (a hook on the wrong side of a norm changes no logit); this one can.
+
+Per layer, on a few random sequences with every hook point captured (float32):
+
+- the pattern's rows sum to 1 and put no weight on later positions;
+- z = pattern · v, head by head (a key-value head repeated for the query heads that share it): v and the pattern
+  are the values the attention combined, and z what it produced;
+- the attention output z · W_o (+ b_o), from the out-projection module's own weights, closes the residual stream:
+  resid_mid = resid_pre + attention output and resid_post = resid_mid + mlp.out (sequential residual), or
+  resid_post = resid_pre + attention output + mlp.out (parallel residual).
+
+A family whose block has norms after its sublayers (OLMo-2, Gemma-2/3 "sandwich" norms) breaks the residual
+identities under a pre-norm mapping, and one whose v hook sits on the wrong slice breaks z = pattern · v: the
+check refuses such a mapping instead of measuring the wrong stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cemtool.models.capture import capture
+from cemtool.subject.hf.adapter import weight_rows
+
+TOLERANCE = 1e-4  # max |difference| / max(1, max |reference|), float32
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+
+def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: int = 0) -> dict:
+    """The largest relative violation of each identity over the layers, and whether all are within TOLERANCE."""
+    T = min(tokens, model.max_seq_len)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, int(model.cfg.vocab_size), (sequences, T), generator=g)  # (S, T)
+    with torch.no_grad(), capture(model, None) as cache:
+        model(idx)
+    worst = {"rows_sum_to_one": 0.0, "causal_pattern": 0.0, "z_is_pattern_v": 0.0, "resid_mid": 0.0,
+             "resid_post": 0.0}
+    for i, block in enumerate(model.blocks):
+        pre = f"blocks.{i}."
+        pattern = cache[pre + "attn.pattern"]  # (S, H, T, T)
+        v, z = cache[pre + "attn.v"], cache[pre + "attn.z"]  # (S, H_kv, T, d_h), (S, H, T, d_h)
+        ones = torch.ones(pattern.shape[:-1])
+        worst["rows_sum_to_one"] = max(worst["rows_sum_to_one"], _rel(pattern.sum(-1), ones))
+        future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        worst["causal_pattern"] = max(worst["causal_pattern"], float(pattern[..., future].abs().max()))
+        rep = pattern.shape[1] // v.shape[1]
+        worst["z_is_pattern_v"] = max(worst["z_is_pattern_v"], _rel(pattern @ v.repeat_interleave(rep, 1), z))
+        w, b = weight_rows(fam.out_proj(block.layer))  # (d, H d_h), (d,)
+        S, H, _, dh = z.shape
+        attn_out = z.transpose(1, 2).reshape(S, T, H * dh) @ w.T.float() + (0 if b is None else b.float())
+        r_pre, r_post, mlp = cache[pre + "resid_pre"], cache[pre + "resid_post"], cache[pre + "mlp.out"]
+        if block.resid_mid is not None:
+            mid = cache[pre + "resid_mid"]
+            worst["resid_mid"] = max(worst["resid_mid"], _rel(r_pre + attn_out, mid))
+            worst["resid_post"] = max(worst["resid_post"], _rel(mid + mlp, r_post))
+        else:
+            worst["resid_post"] = max(worst["resid_post"], _rel(r_pre + attn_out + mlp, r_post))
+    return {**worst, "sequences": sequences, "tokens": T, "tolerance": TOLERANCE,
+            "passed": all(x <= TOLERANCE for x in worst.values())}
