@@ -200,8 +200,9 @@ def test_the_hook_algebra_holds_for_every_adapter_family():
 
 
 def test_deliberately_wrong_mappings_are_caught():
-    """A residual hook on the wrong side of a norm, a v hook on the keys' projection, and the Llama mapping put on
-    Gemma-2's sandwich norms: the logits stay exact (hooks that only read change nothing), the algebra does not."""
+    """A residual hook on the wrong side of a norm, a v hook on the keys' projection, q/k hooks declared as after
+    RoPE, and the Llama mapping put on Gemma-2's sandwich norms: the logits stay exact (hooks that only read change
+    nothing), the algebra does not."""
     class MidOnTheWrongNorm(LlamaLike):
         def mid_norm(self, layer):
             return layer.input_layernorm  # its input is resid_pre, not the stream between attention and MLP
@@ -211,11 +212,16 @@ def test_deliberately_wrong_mappings_are_caught():
             q, k, _ = super().projections(layer, s)
             return [q, k, Projection(layer.self_attn.k_proj, "v", k.index, k.heads)]
 
+    class QAfterRoPE(LlamaLike):  # a q/k hook declared as already rotated: the scores miss the rotary
+        def rotate(self, hf, q, k):
+            return q, k
+
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager").eval()
-    for wrong, broken in ((MidOnTheWrongNorm(), "resid_mid"), (VFromTheKeys(), "z_is_pattern_v")):
+    for wrong, broken in ((MidOnTheWrongNorm(), "resid_mid"), (VFromTheKeys(), "z_is_pattern_v"),
+                          (QAfterRoPE(), "pattern_is_softmax_qk")):
         check = hook_algebra_check(ForeignLM(hf, wrong, arch="x"), wrong)
-        assert not check["passed"] and check[broken] > 1e-2, (broken, check)
+        assert not check["passed"] and check[broken] > 10 * check["tolerance"], (broken, check)
     gemma2 = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
         "gemma2", **{**TINY, "num_key_value_heads": 2}), attn_implementation="eager").eval()
     check = hook_algebra_check(ForeignLM(gemma2, LlamaLike(), arch="x"), LlamaLike())

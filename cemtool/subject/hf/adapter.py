@@ -104,6 +104,15 @@ class Family(ABC):
     def projections(self, layer: nn.Module, shape: Shape) -> list[Projection]:
         ...
 
+    def rotate(self, hf: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q, k as the hook points show them (B, H, T, d_h) -> as the attention scores them (after the family's
+        rotary, in the model's own coordinates). Default: no rotary."""
+        return q, k
+
+    def score_scale(self, layer: nn.Module, shape: Shape) -> float:
+        """The factor on q·k before the softmax (the attention module's ``scaling``, else 1/sqrt(d_h))."""
+        return float(getattr(self.attention(layer), "scaling", None) or shape.head_dim ** -0.5)
+
 
 def rope_order(head_dim: int, rotary_dims: int) -> torch.Tensor:
     """A permutation of a head's coordinates after which the RoPE planes are (p, p + d_h/2), as cemtool's RoPE and

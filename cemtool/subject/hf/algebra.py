@@ -5,6 +5,8 @@ wrong mapping (a hook on the wrong side of a norm changes no logit); this one ca
 Per layer, on a few random sequences with every hook point captured (float32):
 
 - the pattern's rows sum to 1 and put no weight on later positions;
+- the pattern is the softmax of the scaled q·k under the causal mask, from the q and k hook points with the
+  family's own rotary applied (``Family.rotate``; the hook points are before RoPE) and its score scale;
 - z = pattern · v, head by head (a key-value head repeated for the query heads that share it): v and the pattern
   are the values the attention combined, and z what it produced;
 - the attention output z · W_o (+ b_o), from the out-projection module's own weights, closes the residual stream:
@@ -37,8 +39,8 @@ def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: i
     idx = torch.randint(0, int(model.cfg.vocab_size), (sequences, T), generator=g)  # (S, T)
     with torch.no_grad(), capture(model, None) as cache:
         model(idx)
-    worst = {"rows_sum_to_one": 0.0, "causal_pattern": 0.0, "z_is_pattern_v": 0.0, "resid_mid": 0.0,
-             "resid_post": 0.0}
+    worst = {"rows_sum_to_one": 0.0, "causal_pattern": 0.0, "pattern_is_softmax_qk": 0.0, "z_is_pattern_v": 0.0,
+             "resid_mid": 0.0, "resid_post": 0.0}
     for i, block in enumerate(model.blocks):
         pre = f"blocks.{i}."
         pattern = cache[pre + "attn.pattern"]  # (S, H, T, T)
@@ -47,7 +49,12 @@ def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: i
         worst["rows_sum_to_one"] = max(worst["rows_sum_to_one"], _rel(pattern.sum(-1), ones))
         future = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
         worst["causal_pattern"] = max(worst["causal_pattern"], float(pattern[..., future].abs().max()))
+        q, k = fam.rotate(model.hf, cache[pre + "attn.q"], cache[pre + "attn.k"])  # (S, H, T, d_h), (S, H_kv, ...)
         rep = pattern.shape[1] // v.shape[1]
+        scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)  # (S, H, T, T)
+        scores = scores * fam.score_scale(block.layer, model.shape)
+        expect = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        worst["pattern_is_softmax_qk"] = max(worst["pattern_is_softmax_qk"], _rel(expect, pattern))
         worst["z_is_pattern_v"] = max(worst["z_is_pattern_v"], _rel(pattern @ v.repeat_interleave(rep, 1), z))
         w, b = weight_rows(fam.out_proj(block.layer))  # (d, H d_h), (d,)
         S, H, _, dh = z.shape

@@ -37,6 +37,11 @@ class GPT2(Family):
     def mlp(self, layer):
         return layer.mlp
 
+    def score_scale(self, layer, s: Shape) -> float:
+        a = layer.attn
+        scale = s.head_dim ** -0.5 if a.scale_attn_weights else 1.0
+        return scale / (a.layer_idx + 1) if a.scale_attn_by_inverse_layer_idx else scale
+
     def projections(self, layer, s: Shape) -> list[Projection]:
         d = s.n_head * s.head_dim
         return [Projection(layer.attn.c_attn, p, torch.arange(i * d, (i + 1) * d), s.n_head)

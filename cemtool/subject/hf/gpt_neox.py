@@ -42,6 +42,17 @@ class GPTNeoX(Family):
     def mlp(self, layer):
         return layer.mlp
 
+    def rotate(self, hf, q, k):
+        """The hook points' :func:`rope_order` undone, then the model's own partial RoPE."""
+        # optional dependency: transformers (a model of this family was built by it)
+        from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+        s = self.shape(hf.config)
+        back = torch.argsort(rope_order(s.head_dim, s.rotary_dims))  # hook coordinates -> the model's
+        pos = torch.arange(q.shape[2])[None]  # (1, T)
+        cos, sin = hf.gpt_neox.rotary_emb(q, pos)
+        return apply_rotary_pos_emb(q[..., back], k[..., back], cos, sin)
+
     def projections(self, layer, s: Shape) -> list[Projection]:
         dh, H = s.head_dim, s.n_head
         base = torch.arange(H)[:, None] * 3 * dh  # (H, 1) where each head's [q | k | v] starts

@@ -41,6 +41,15 @@ class LlamaLike(Family):
     def mlp(self, layer):
         return layer.mlp
 
+    def rotate(self, hf, q, k):
+        """RoPE as the model applies it, from its own rotary module (cos, sin at positions 0..T-1)."""
+        # optional dependency: transformers (a model of this family was built by it)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        pos = torch.arange(q.shape[2])[None]  # (1, T)
+        cos, sin = hf.model.rotary_emb(q, pos)
+        return apply_rotary_pos_emb(q, k, cos, sin)
+
     def projections(self, layer, s: Shape) -> list[Projection]:
         a = layer.self_attn
         return [Projection(a.q_proj, "q", torch.arange(s.n_head * s.head_dim), s.n_head),

@@ -61,7 +61,8 @@ from cemtool.writes import atomic_write_json, os_error
 
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
-ALGEBRA_KEYS = ("rows_sum_to_one", "causal_pattern", "z_is_pattern_v", "resid_mid", "resid_post")
+ALGEBRA_KEYS = ("rows_sum_to_one", "causal_pattern", "pattern_is_softmax_qk", "z_is_pattern_v", "resid_mid",
+                "resid_post")
 TOLERANCE = 1e-5  # logits check: max |difference| / max(1, max |logit|), float32
 EXPORT_FILE = "cemtool_export.json"  # written by cemtool export: the run's data section and tokenizer kind
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "vocab.txt", "*.model",
@@ -413,14 +414,9 @@ def hf_families() -> list[dict]:
     causality check still applies), or refused by kind (encoder-decoder; an encoder whose causal head needs
     ``is_decoder``). Read from the mapping and the config classes' defaults: no model is built."""
     transformers = _transformers()
-    # optional dependency: transformers (importable here: _transformers() above succeeded)
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL,
-    )
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED,
-    )
+    CONFIG_MAPPING = transformers.models.auto.configuration_auto.CONFIG_MAPPING
+    CAUSAL = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    MASKED = transformers.models.auto.modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
     adapters = family_adapters()
     rows = []
