@@ -5,7 +5,9 @@
 - eigenvalues per layer: lambda_max, lambda_min and tr(H)/n of each layer's parameter block, from the
   ``cemtool sharpness --params layer:N`` reports (reports/sharpness-layer-N.json) of one or several runs;
 - comparison: per architecture and measure, the mean over seeds with error bars of ± one standard deviation over
-  seeds (the tables' ± std: :data:`cemtool.analysis.compare.SPREAD`) and the single runs (reports/compare.json).
+  seeds (the tables' ± std: :data:`cemtool.analysis.compare.SPREAD`) and the single runs (reports/compare.json);
+- the forgetting-plasticity frontier: forgetting against plasticity along the fine-tunes, per architecture
+  (compare.json's ``forgetting_curve`` of each run).
 
 Colour = architecture (:func:`cemtool.plots.style.arch_color`) and line style = seed, as in the training curves.
 """
@@ -406,6 +408,59 @@ def plot_compare_layers(report: dict, plots_dir: str | Path, name: str = "compar
     return save(fig, plots_dir, name)
 
 
+FRONTIER_POINTS = 25  # plasticity levels at which each architecture's mean frontier is drawn
+
+
+def frontier(report: dict) -> tuple[np.ndarray, dict[str, tuple[np.ndarray, np.ndarray, int]]] | None:
+    """The forgetting-plasticity frontier per group from the runs' fine-tune curves (compare.json's
+    ``forgetting_curve``): on a grid of plasticity levels from 0 to the lowest peak plasticity of the runs (where
+    every curve is defined), each run's forgetting at the first point it reaches that level (linear between curve
+    points, cemtool.analysis.stats.at_matched), then the group's mean and standard deviation over its runs."""
+    from cemtool.analysis.stats import at_matched  # start-up: the comparison's own module, loaded with it
+
+    runs = [r for r in report["runs"] if r.get("forgetting_curve")]
+    if not runs:
+        return None
+    top = min(max(p for p, _ in r["forgetting_curve"]) for r in runs)
+    if not top > 0:
+        return None
+    levels = np.linspace(0.0, top, FRONTIER_POINTS)  # (P,)
+    out = {}
+    for label in dict.fromkeys(r["label"] for r in runs):
+        rows = np.array([[at_matched(r["forgetting_curve"], x) for x in levels] for r in runs
+                         if r["label"] == label], dtype=float)  # (runs, P)
+        out[label] = (rows.mean(0), rows.std(0, ddof=1) if len(rows) > 1 else np.zeros(len(levels)), len(rows))
+    return levels, out
+
+
+def plot_frontier(report: dict, plots_dir: str | Path, name: str = "compare_frontier") -> list[Path]:
+    """Forgetting against plasticity along the fine-tunes, per architecture (mean ± std over seeds): an architecture
+    below another at the same plasticity forgets less for what it learns. The dashed line is the matched level of
+    compare.json (``matched_plasticity``)."""
+    got = frontier(report)
+    if got is None:
+        return []
+    levels, groups = got
+    arch_of = {r["label"]: r["arch"] for r in report["runs"]}
+    fig, axes = new_figure(6.0, 4.4)
+    ax = axes[0, 0]
+    for label, (mean, sd, n) in groups.items():
+        c = arch_color(arch_of[label])
+        ax.plot(levels, mean, color=c, lw=1.6, label=f"{label} (n={n})")
+        ax.fill_between(levels, mean - sd, mean + sd, color=c, alpha=0.15, lw=0)
+    level = (report.get("matched_plasticity") or {}).get("level")
+    if level is not None:
+        ax.axvline(level, color="0.4", ls="--", lw=0.8)
+    ax.set_xlabel("plasticity: target loss gained (nats)", fontsize=8)
+    ax.set_ylabel("forgetting: source loss lost (nats)", fontsize=8)
+    ax.set_title(f"forgetting-plasticity frontier along the fine-tunes ({SPREAD}); dashed: the matched level",
+                 fontsize=8)
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    legend_below(fig, handles, labels)
+    return save(fig, plots_dir, name)
+
+
 def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> list[Path]:
     """The comparison (one panel per metric, a mean ± std over seeds per architecture), the correlation
     scatters and the per-layer collapse measures."""
@@ -415,9 +470,10 @@ def plot_compare(report: dict, plots_dir: str | Path, name: str = "compare") -> 
     fig = interval_figure(groups, measures, f"{len(report['runs'])} runs: large markers and error bars = {SPREAD}, "
                                             f"dots = single runs")
     return (save(fig, plots_dir, name) + plot_correlations(report, plots_dir, f"{name}_correlations")
-            + plot_compare_layers(report, plots_dir, f"{name}_layers"))
+            + plot_compare_layers(report, plots_dir, f"{name}_layers")
+            + plot_frontier(report, plots_dir, f"{name}_frontier"))
 
 
-__all__ = ["BARS", "interval_figure", "compare_measures", "layer_measures", "layer_of", "plot_compare",
-           "plot_compare_layers", "plot_correlations",
+__all__ = ["BARS", "frontier", "interval_figure", "compare_measures", "layer_measures", "layer_of", "plot_compare",
+           "plot_compare_layers", "plot_correlations", "plot_frontier",
            "plot_forgetting", "plot_layer_eigenvalues"]

@@ -160,3 +160,19 @@ def test_cli_options_and_errors(study, tmp_path):
         assert len(res.output.strip().splitlines()) <= 3  # Error, Hint, and for usage errors the Usage line
     with pytest.raises(CemtoolError):
         compare([study], plasticity_level=-1.0)
+
+
+def test_frontier_figure_is_the_curves_read_at_common_plasticity(payload, tmp_path):
+    """Every curve of the synthetic study has forgetting = 0.5 x plasticity (0.3 for tmm): the frontier's means are
+    those lines exactly, its spread zero, and the figure is written."""
+    from cemtool.plots.compare import frontier, plot_frontier
+
+    levels, groups = frontier(payload)
+    assert levels[0] == 0.0 and levels[-1] == pytest.approx(payload["matched_plasticity"]["level"])
+    for label, (mean, sd, n) in groups.items():
+        assert mean == pytest.approx((0.3 if label == "tmm" else 0.5) * levels, abs=1e-12) and n == 4
+        assert np.allclose(sd, 0.0, atol=1e-12)
+    paths = plot_frontier(payload, tmp_path)
+    assert paths and all(p.exists() and p.stat().st_size > 1000 for p in paths)
+    assert plot_frontier({**payload, "runs": [{**r, "forgetting_curve": None} for r in payload["runs"]]},
+                         tmp_path / "none") == []
