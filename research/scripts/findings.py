@@ -801,7 +801,8 @@ def main(argv: list[str]) -> int:
         md += compute_markdown(out[name]["compute"])
         again = v2.reissue(part, here, root, name)
         out[name]["reissued"] = v2.rows_json(again)
-        reissued += v2.markdown(f"{name}: {what}", again, {r["claim"].split(".")[0]: r["verdict"] for r in rows})
+        reissued += v2.markdown(f"{name}: {what}", again, {r["claim"].split(".")[0]: r["verdict"] for r in rows},
+                                {r["claim"].split(".")[0]: r["paper"] for r in rows})
         out[name]["regime"] = regimes[name] = v2.regime(part)
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)

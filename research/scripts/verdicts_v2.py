@@ -472,13 +472,14 @@ def rows_json(rows: list[dict]) -> list[dict]:
              "tests": [{**asdict(t), "outcome": t.outcome()} for t in r["tests"]]} for r in rows]
 
 
-def markdown(part: str, rows: list[dict], first: dict[str, str]) -> list[str]:
-    """One part's re-issued table: the claim, its tests (estimate [95% CI], Holm p, MDE or equivalence interval,
-    unit), the first verdict and the re-issued one."""
+def markdown(part: str, rows: list[dict], first: dict[str, str], paper: dict[str, str] | None = None) -> list[str]:
+    """One part's re-issued table: the claim, the paper's number, its tests (estimate [95% CI], Holm p, MDE or
+    equivalence interval, unit), the first verdict and the re-issued one."""
+    paper = paper or {}
     n_family = sum(1 for r in rows for t in r["tests"] if t.primary and t.family_p() is not None)
     md = [f"### {part}", "", f"Holm family: the part's {n_family} primary tests (second readings, in italics, are "
           f"adjusted as one more member, {n_family + 1} in all, and do not decide).", "",
-          "| claim | tests | first verdict | re-issued verdict |", "|---|---|---|---|"]
+          "| claim | paper | tests | first verdict | re-issued verdict |", "|---|---|---|---|---|"]
     for r in rows:
         tests = "; ".join(t.text() if t.primary else f"*{t.text()}*" for t in r["tests"])
         for t in r["tests"]:
@@ -486,7 +487,8 @@ def markdown(part: str, rows: list[dict], first: dict[str, str]) -> list[str]:
                 tests += f"; partial ρ given lr {t.extra['partial']['rho']:+.2f} (p {t.extra['partial']['p']:.2g})"
             if "standing" in t.extra:
                 tests += "; standing: " + (", ".join(f"{n} {v}" for v, n in t.extra["standing"].items()) or "–")
-        md.append(f"| {r['claim']} | {tests} | {first.get(r['claim'], '–')} | {r['verdict']} |")
+        md.append(f"| {r['claim']} | {paper.get(r['claim'], '–')} | {tests} | {first.get(r['claim'], '–')} | "
+                  f"{r['verdict']} |")
     return md + [""]
 
 
