@@ -116,7 +116,7 @@ def parse_factors(items: list[str] | None) -> dict[str, tuple[list[str], list[st
         with_, slash, without = groups.partition("/")
         split = lambda t: [g.strip() for g in t.split(",") if g.strip()]  # noqa: E731
         if not sep or not name.strip() or not split(with_) or (slash and not split(without)):
-            raise UsageError(f"--factor {item!r}: give NAME=GROUP,GROUP[/GROUP,GROUP]")
+            raise UsageError(f"--factor {item!r}: give NAME=GROUP,GROUP or NAME=GROUP,GROUP/GROUP,GROUP")
         out[name.strip()] = (split(with_), split(without) if slash else None)
     return out
 
@@ -148,10 +148,10 @@ def compare(
     covariate: Annotated[Optional[list[str]], typer.Option("--covariate", help="partial correlations given this "
                                                            "run field (repeatable): lr, plasticity, val_loss, ...")]
     = None,
-    factor: Annotated[Optional[list[str]], typer.Option("--factor", help="NAME=GROUP,...[/GROUP,...] (repeatable): "
-                                                        "the main effect of a factor the first groups have and the "
-                                                        "others (default every other group) lack, with the "
-                                                        "architecture as the unit")] = None,
+    factor: Annotated[Optional[list[str]], typer.Option("--factor", help="NAME=GROUP,... or NAME=GROUP,.../GROUP,..."
+                                                        " (repeatable): the main effect of a factor the first groups "
+                                                        "have and the others (after /; default every other group) "
+                                                        "lack, with the architecture as the unit")] = None,
     plasticity_level: Annotated[Optional[float], typer.Option("--plasticity-level", help="where forgetting is "
                                                               "matched (default: the lowest plasticity every "
                                                               "fine-tune reaches)")] = None,
