@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -237,3 +238,51 @@ def test_deliberately_wrong_mappings_are_caught():
         "gemma2", **{**TINY, "num_key_value_heads": 2}), attn_implementation="eager").eval()
     check = hook_algebra_check(ForeignLM(gemma2, LlamaLike(), arch="x"), LlamaLike())
     assert not check["passed"] and (check["resid_mid"] > 1e-2 or check["resid_post"] > 1e-2), check
+
+
+@pytest.mark.parametrize("model_type", sorted(LlamaLike.model_types))
+def test_every_llama_like_family_passes_its_load_checks(model_type):
+    """Each model type mapped to the Llama family, built tiny with large random weights (attention far from
+    uniform): the adapter's logits equal transformers' and its hook points satisfy the block's algebra."""
+    from cemtool.subject.hf.loader import logits_check
+
+    cfg = transformers.AutoConfig.for_model(model_type, **TINY)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    model = ForeignLM(hf, LlamaLike(), arch="x")
+    assert logits_check(model)["passed"]
+    check = hook_algebra_check(model, LlamaLike())
+    assert check["passed"], check
+
+
+def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
+    cfg = transformers.AutoConfig.for_model("granite", **{**TINY, "residual_multiplier": 0.5})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    check = hook_algebra_check(ForeignLM(hf, LlamaLike(), arch="x"), LlamaLike())
+    assert not check["passed"] and check["resid_mid"] > 10 * check["tolerance"]
+
+
+def test_collapse_report_on_a_mixture_of_experts(tmp_path):
+    """Mixtral through a saved directory: tier b (the Llama family), collapse-report end to end."""
+    import numpy as np
+
+    from cemtool.data.tokenizer import word_tokenizer
+
+    cfg = transformers.AutoConfig.for_model("mixtral", **{**TINY, "vocab_size": len(WORDS) + 2})
+    d = save_tiny(tmp_path / "mixtral", cfg, word_tokenizer(WORDS))
+    text = tmp_path / "words.txt"
+    rng = np.random.default_rng(0)
+    text.write_text("\n".join(" ".join(rng.choice(WORDS, 16)) for _ in range(200)) + "\n", encoding="utf-8")
+    s = open_subject(d, data=str(text))
+    assert isinstance(s.model, ForeignLM)
+    res = invoke("collapse-report", d, "--data", text, "--tokens", 256, "--no-plots", "-q")
+    assert res.exit_code == 0, res.output
+    import json
+
+    src = json.loads((Path(d) / "model_source.json").read_text())
+    assert src["tier"] == "b" and src["hook_algebra_check"]["passed"] and src["causality_check"]["passed"]

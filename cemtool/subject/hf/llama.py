@@ -1,4 +1,5 @@
-"""Llama-like models (Llama, Mistral, Qwen2): pre-norm RMSNorm, RoPE, separate q/k/v projections, GQA.
+"""Llama-like models (Llama, Mistral, Qwen2, Ministral, Arcee, Seed-OSS, Granite, and the mixtures of experts
+Mixtral and Qwen2-MoE, whose MLP is the sparse block): pre-norm RMSNorm, RoPE, separate q/k/v projections, GQA.
 
     model.embed_tokens -> model.layers[i] (input_layernorm, self_attn{q,k,v,o}_proj, post_attention_layernorm,
     mlp) -> model.norm -> lm_head
@@ -16,7 +17,11 @@ from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
 
 class LlamaLike(Family):
     name = "llama"
-    model_types = ("llama", "mistral", "qwen2")
+    # the families whose blocks are Llama's, module for module; each is verified at load by the hook-point algebra
+    # check (cemtool.subject.hf.algebra), which refuses a config that breaks the mapping (Granite with a residual
+    # multiplier other than 1, say). Qwen3, OLMo-2, Helium, ERNIE-4.5, EXAONE-4 and Hunyuan fail it at any config
+    # (q/k norms, post-sublayer norms, another rotary layout): they stay tier a until a family file declares them.
+    model_types = ("llama", "mistral", "qwen2", "ministral", "arcee", "seed_oss", "granite", "mixtral", "qwen2_moe")
     norm, mlp_kind = "rmsnorm", "swiglu"
 
     def backbone(self, hf):
