@@ -125,7 +125,7 @@ def weight_factors(model: Capabilities, lh: AttentionLayer) -> list[tuple[torch.
     """(L_q, L_k) per head from the parameters, or a string saying why the weights do not define the form."""
     qk = model.qk_weights(lh.layer)
     if qk is None:
-        return "the attention has no wq/wk projections"
+        return "the attention's scores are no fixed bilinear form of its input (no wq/wk, or q/k norms)"
     Wq, Wk = qk  # (H d_h, d) each
     dh, H = lh.head_dim, lh.heads
     lime_variant = model.router()

@@ -120,7 +120,7 @@ def test_tier_a_loss_is_transformers_own_and_one_hvp_runs(model_type):
                                                                                    hf.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "qwen3_moe", "phi3"])
+@pytest.mark.parametrize("model_type", ["mamba", "olmoe", "phi3"])
 def test_tier_a_through_a_saved_directory_and_the_cli(model_type, tmp_path):
     import numpy as np
 
@@ -192,7 +192,7 @@ def test_archs_hf_lists_every_family_with_its_tier():
     rows = {r["model_type"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
     assert set(rows) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)  # enumerated, not a hand list
     assert {t for t, r in rows.items() if r["tier"] == "b"} == set(family_adapters())
-    assert rows["mamba"]["tier"] == "a" and rows["qwen3_moe"]["tier"] == "a"
+    assert rows["mamba"]["tier"] == "a" and rows["olmo2"]["tier"] == "a" and rows["qwen3_moe"]["tier"] == "b"
     assert rows["bart"]["tier"] == "refused" and "encoder-decoder" in rows["bart"]["note"]
     text = invoke("archs", "--hf")
     assert text.exit_code == 0 and "tier b" in text.stdout and "gpt_neox" in text.stdout
@@ -240,10 +240,10 @@ def test_deliberately_wrong_mappings_are_caught():
     assert not check["passed"] and (check["resid_mid"] > 1e-2 or check["resid_post"] > 1e-2), check
 
 
-@pytest.mark.parametrize("model_type", sorted(LlamaLike.model_types))
-def test_every_llama_like_family_passes_its_load_checks(model_type):
-    """Each model type mapped to the Llama family, built tiny with large random weights (attention far from
-    uniform): the adapter's logits equal transformers' and its hook points satisfy the block's algebra."""
+@pytest.mark.parametrize("model_type", sorted(family_adapters()))
+def test_every_tier_b_family_passes_its_load_checks(model_type):
+    """Each model type with a family adapter, built tiny with large random weights (attention far from uniform):
+    the adapter's logits equal transformers' and its hook points satisfy the block's algebra."""
     from cemtool.subject.hf.loader import logits_check
 
     cfg = transformers.AutoConfig.for_model(model_type, **TINY)
@@ -253,10 +253,12 @@ def test_every_llama_like_family_passes_its_load_checks(model_type):
         for p in hf.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.3)
-    model = ForeignLM(hf, LlamaLike(), arch="x")
+    fam = family_adapters()[model_type]
+    model = ForeignLM(hf, fam, arch="x")
     assert logits_check(model)["passed"]
-    check = hook_algebra_check(model, LlamaLike())
+    check = hook_algebra_check(model, fam)
     assert check["passed"], check
+    assert (model.qk_weights(0) is None) == (not fam.bilinear_qk)
 
 
 def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
@@ -267,14 +269,16 @@ def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
     assert not check["passed"] and check["resid_mid"] > 10 * check["tolerance"]
 
 
-def test_collapse_report_on_a_mixture_of_experts(tmp_path):
-    """Mixtral through a saved directory: tier b (the Llama family), collapse-report end to end."""
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3"])
+def test_collapse_report_on_new_tier_b_families(model_type, tmp_path):
+    """A mixture of experts (Mixtral, the Llama family) and a family with q/k norms (Qwen3, its own file) through a
+    saved directory: tier b, the load checks recorded, collapse-report end to end."""
     import numpy as np
 
     from cemtool.data.tokenizer import word_tokenizer
 
-    cfg = transformers.AutoConfig.for_model("mixtral", **{**TINY, "vocab_size": len(WORDS) + 2})
-    d = save_tiny(tmp_path / "mixtral", cfg, word_tokenizer(WORDS))
+    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, "vocab_size": len(WORDS) + 2})
+    d = save_tiny(tmp_path / model_type, cfg, word_tokenizer(WORDS))
     text = tmp_path / "words.txt"
     rng = np.random.default_rng(0)
     text.write_text("\n".join(" ".join(rng.choice(WORDS, 16)) for _ in range(200)) + "\n", encoding="utf-8")

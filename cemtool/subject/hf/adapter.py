@@ -54,6 +54,7 @@ class Projection:
     point: str  # "q" | "k" | "v"
     index: torch.Tensor
     heads: int
+    shaped: bool = False  # the module's output is already (B, T, heads, d_h) (a per-head q/k norm): index unused
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Family(ABC):
     name = "?"
     model_types: tuple[str, ...] = ()
     norm, mlp_kind = "layernorm", "gelu"  # what cemtool's ModelConfig calls the family's norm and MLP
+    bilinear_qk = True  # False: q and k pass through per-head norms, so the scores are no fixed bilinear form
 
     @abstractmethod
     def backbone(self, hf: nn.Module) -> Backbone:
@@ -220,6 +222,11 @@ class _Heads:
         live = [p for p in self.projs if _live(getattr(self.attn, p.point))]
         if not live:
             return None
+        if self.projs[0].shaped:  # (B, T, heads, d_h): one point per module
+            p = self.projs[0]
+            x = out.transpose(1, 2)  # (B, heads, T, d_h)
+            y = getattr(self.attn, p.point)(x)
+            return None if y is x else y.transpose(1, 2)
         B, T, _ = out.shape
         new = None
         for p in live:
@@ -302,6 +309,7 @@ class ForeignLM(Capabilities, nn.Module):
         self.hf = hf  # registered last: its parameters keep the names above
         self.fixed: dict[str, str] = {}  # transformers name -> why it is not a free parameter (cemtool export)
         self.adapter = fam.name
+        self.bilinear_qk = fam.bilinear_qk
         self.shape = shape
         self.max_seq_len = int(getattr(hf.config, "max_position_embeddings", 0) or getattr(hf.config, "n_positions", 0)
                                or 1 << 20)
@@ -324,6 +332,11 @@ class ForeignLM(Capabilities, nn.Module):
             raise CemtoolError(f"token id {int(idx.max())} is outside the model's vocabulary of {self.cfg.vocab_size}",
                                hint="evaluate on data tokenised with the model's own tokenizer")
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
+
+    def qk_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """As cemtool's models; None for a family whose q and k pass through per-head norms (Qwen3): its scores
+        are not a fixed bilinear form of the layer's input, so rank truncation in the weights' basis is undefined."""
+        return super().qk_weights(layer) if self.bilinear_qk else None
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """The transformers names of each parameter (``model.layers.0.self_attn.q_proj.weight``, and a tied head's

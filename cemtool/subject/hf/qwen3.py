@@ -1,0 +1,30 @@
+"""Qwen3 (and Qwen3-MoE): the Llama block with per-head RMSNorms on the queries and keys before RoPE.
+
+    model.embed_tokens -> model.layers[i] (input_layernorm, self_attn{q_proj -> q_norm, k_proj -> k_norm, v_proj,
+    o_proj}, post_attention_layernorm, mlp) -> model.norm -> lm_head
+
+Hook points: q and k are the outputs of q_norm and k_norm, (B, T, heads, d_h) per token: after the q/k norms and
+before RoPE, which is what the attention scores (the hook-point algebra check verifies it); v is v_proj's output;
+resid_mid the input of post_attention_layernorm; z the input of o_proj. The scores are not a fixed bilinear form
+of the layer input (the norms divide by each head's q and k norms), so ``qk_weights`` is None and saturation's
+rank truncation in the weights' basis says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cemtool.subject.hf.adapter import Projection, Shape
+from cemtool.subject.hf.llama import LlamaLike
+
+
+class Qwen3(LlamaLike):
+    name = "qwen3"
+    model_types = ("qwen3", "qwen3_moe")
+    bilinear_qk = False
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        a = layer.self_attn
+        return [Projection(a.q_norm, "q", torch.arange(s.n_head * s.head_dim), s.n_head, shaped=True),
+                Projection(a.k_norm, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head, shaped=True),
+                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]
