@@ -192,7 +192,7 @@ def test_archs_hf_lists_every_family_with_its_tier():
     rows = {r["model_type"]: r for r in json.loads(res.stdout[res.stdout.index("["):])}
     assert set(rows) == set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)  # enumerated, not a hand list
     assert {t for t, r in rows.items() if r["tier"] == "b"} == set(family_adapters())
-    assert rows["mamba"]["tier"] == "a" and rows["olmo2"]["tier"] == "a" and rows["qwen3_moe"]["tier"] == "b"
+    assert rows["mamba"]["tier"] == "a" and rows["exaone4"]["tier"] == "a" and rows["qwen3_moe"]["tier"] == "b"
     assert rows["bart"]["tier"] == "refused" and "encoder-decoder" in rows["bart"]["note"]
     text = invoke("archs", "--hf")
     assert text.exit_code == 0 and "tier b" in text.stdout and "gpt_neox" in text.stdout
@@ -269,10 +269,10 @@ def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
     assert not check["passed"] and check["resid_mid"] > 10 * check["tolerance"]
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3", "olmo2"])
 def test_collapse_report_on_new_tier_b_families(model_type, tmp_path):
-    """A mixture of experts (Mixtral, the Llama family) and a family with q/k norms (Qwen3, its own file) through a
-    saved directory: tier b, the load checks recorded, collapse-report end to end."""
+    """A mixture of experts (Mixtral, the Llama family), a family with q/k norms (Qwen3) and one with post-sublayer
+    norms (OLMo-2), each through a saved directory: tier b, the load checks recorded, collapse-report end to end."""
     import numpy as np
 
     from cemtool.data.tokenizer import word_tokenizer

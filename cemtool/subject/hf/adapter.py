@@ -106,6 +106,11 @@ class Family(ABC):
     def projections(self, layer: nn.Module, shape: Shape) -> list[Projection]:
         ...
 
+    def post_norms(self, layer: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+        """The norms a block applies to its attention output and to its MLP output before adding them to the
+        residual stream (OLMo-2's post-sublayer norms, Gemma-2's sandwich); (None, None) for a pre-norm block."""
+        return None, None
+
     def rotate(self, hf: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q, k as the hook points show them (B, H, T, d_h) -> as the attention scores them (after the family's
         rotary, in the model's own coordinates). Default: no rotary."""

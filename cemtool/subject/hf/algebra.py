@@ -9,7 +9,8 @@ Per layer, on a few random sequences with every hook point captured (float32):
   family's own rotary applied (``Family.rotate``; the hook points are before RoPE) and its score scale;
 - z = pattern · v, head by head (a key-value head repeated for the query heads that share it): v and the pattern
   are the values the attention combined, and z what it produced;
-- the attention output z · W_o (+ b_o), from the out-projection module's own weights, closes the residual stream:
+- the attention output z · W_o (+ b_o), from the out-projection module's own weights (through the family's declared
+  post-sublayer norm, if it has one: ``Family.post_norms``), closes the residual stream:
   resid_mid = resid_pre + attention output and resid_post = resid_mid + mlp.out (sequential residual), or
   resid_post = resid_pre + attention output + mlp.out (parallel residual).
 
@@ -60,6 +61,11 @@ def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: i
         S, H, _, dh = z.shape
         attn_out = z.transpose(1, 2).reshape(S, T, H * dh) @ w.T.float() + (0 if b is None else b.float())
         r_pre, r_post, mlp = cache[pre + "resid_pre"], cache[pre + "resid_post"], cache[pre + "mlp.out"]
+        post_attn, post_mlp = fam.post_norms(block.layer)  # a block's norms on its sublayers' outputs, declared
+        if post_attn is not None:
+            attn_out = post_attn(attn_out)
+        if post_mlp is not None:
+            mlp = post_mlp(mlp)
         if block.resid_mid is not None:
             mid = cache[pre + "resid_mid"]
             worst["resid_mid"] = max(worst["resid_mid"], _rel(r_pre + attn_out, mid))
