@@ -74,6 +74,7 @@ class Family(ABC):
     model_types: tuple[str, ...] = ()
     norm, mlp_kind = "layernorm", "gelu"  # what cemtool's ModelConfig calls the family's norm and MLP
     bilinear_qk = True  # False: q and k pass through per-head norms, so the scores are no fixed bilinear form
+    kinds: dict[str, tuple[str, str]] = {}  # model type -> (norm, mlp) where it differs from the family's
 
     @abstractmethod
     def backbone(self, hf: nn.Module) -> Backbone:
@@ -320,9 +321,10 @@ class ForeignLM(Capabilities, nn.Module):
                                or 1 << 20)
         parts.ln_f.register_forward_hook(_Output(self.final))
         c = hf.config
+        norm, mlp = fam.kinds.get(c.model_type, (fam.norm, fam.mlp_kind))
         self.cfg = ModelConfig(arch=arch, n_layer=len(self.blocks), d_model=int(c.hidden_size), n_head=shape.n_head,
                                head_dim=shape.head_dim, vocab_size=int(c.vocab_size), max_seq_len=self.max_seq_len,
-                               pos="rope" if shape.rotary_dims else "learned", norm=fam.norm, mlp=fam.mlp_kind,
+                               pos="rope" if shape.rotary_dims else "learned", norm=norm, mlp=mlp,
                                attn_impl="explicit",  # eager attention: probabilities and double backward
                                mlp_hidden=int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
                                               or 4 * c.hidden_size),

@@ -33,6 +33,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
+@torch.no_grad()
 def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: int = 0) -> dict:
     """The largest relative violation of each identity over the layers, and whether all are within TOLERANCE."""
     T = min(tokens, model.max_seq_len)

@@ -1,5 +1,6 @@
-"""Llama-like models (Llama, Mistral, Qwen2, Ministral, Arcee, Seed-OSS, Granite, and the mixtures of experts
-Mixtral and Qwen2-MoE, whose MLP is the sparse block): pre-norm RMSNorm, RoPE, separate q/k/v projections, GQA.
+"""Llama-like models (Llama, Mistral, Qwen2, Ministral, Arcee, Seed-OSS, Granite, Gemma, OLMo, StarCoder2,
+EXAONE, and the mixtures of experts Mixtral and Qwen2-MoE, whose MLP is the sparse block): pre-norm, RoPE,
+separate q/k/v projections, GQA; module for module the same layout, whatever the norm and MLP inside.
 
     model.embed_tokens -> model.layers[i] (input_layernorm, self_attn{q,k,v,o}_proj, post_attention_layernorm,
     mlp) -> model.norm -> lm_head
@@ -21,8 +22,11 @@ class LlamaLike(Family):
     # check (cemtool.subject.hf.algebra), which refuses a config that breaks the mapping (Granite with a residual
     # multiplier other than 1, say). Qwen3, OLMo-2, Helium, ERNIE-4.5, EXAONE-4 and Hunyuan fail it at any config
     # (q/k norms, post-sublayer norms, another rotary layout): they stay tier a until a family file declares them.
-    model_types = ("llama", "mistral", "qwen2", "ministral", "arcee", "seed_oss", "granite", "mixtral", "qwen2_moe")
+    model_types = ("llama", "mistral", "qwen2", "ministral", "arcee", "seed_oss", "granite", "mixtral", "qwen2_moe",
+                   "gemma", "olmo", "starcoder2", "exaone")
     norm, mlp_kind = "rmsnorm", "swiglu"
+    kinds = {"starcoder2": ("layernorm", "gelu"), "olmo": ("layernorm", "swiglu"),  # cemtool's nearest names for
+             "gemma": ("rmsnorm", "gelu")}  # the norm and MLP (descriptive: the model's own modules run)
 
     def backbone(self, hf):
         return Backbone(hf.get_input_embeddings(), None, hf.model.layers, hf.model.norm, hf.get_output_embeddings())
