@@ -120,7 +120,7 @@ def test_tier_a_loss_is_transformers_own_and_one_hvp_runs(model_type):
                                                                                    hf.parameters())
 
 
-@pytest.mark.parametrize("model_type", ["mamba", "olmoe", "phi3"])
+@pytest.mark.parametrize("model_type", ["mamba", "olmoe", "helium"])
 def test_tier_a_through_a_saved_directory_and_the_cli(model_type, tmp_path):
     import numpy as np
 

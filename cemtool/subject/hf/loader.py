@@ -57,6 +57,7 @@ from cemtool.subject.hf.gpt_neox import GPTNeoX
 from cemtool.subject.hf.llama import LlamaLike
 from cemtool.subject.hf.logits_only import LogitsLM
 from cemtool.subject.hf.olmo2 import Olmo2
+from cemtool.subject.hf.phi3 import Phi3
 from cemtool.subject.hf.qwen3 import Qwen3
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 from cemtool.writes import atomic_write_json, os_error
@@ -74,7 +75,7 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2()) for t in fam.model_types}
+    return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3()) for t in fam.model_types}
 
 
 def is_foreign(source: str | Path) -> bool:
