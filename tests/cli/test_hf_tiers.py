@@ -261,6 +261,18 @@ def test_every_tier_b_family_passes_its_load_checks(model_type):
     assert (model.qk_weights(0) is None) == (not fam.bilinear_qk)
 
 
+def test_gpt_bigcode_without_multi_query_passes_too():
+    from cemtool.subject.hf.loader import logits_check
+
+    cfg = transformers.AutoConfig.for_model("gpt_bigcode", **{**TINY, "multi_query": False})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    fam = family_adapters()["gpt_bigcode"]
+    model = ForeignLM(hf, fam, arch="x")
+    assert model.shape.n_kv_head == model.shape.n_head
+    assert logits_check(model)["passed"] and hook_algebra_check(model, fam)["passed"]
+
+
 def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
     cfg = transformers.AutoConfig.for_model("granite", **{**TINY, "residual_multiplier": 0.5})
     torch.manual_seed(0)

@@ -53,6 +53,7 @@ from cemtool.subject.base import Subject
 from cemtool.subject.hf.adapter import ForeignLM
 from cemtool.subject.hf.algebra import hook_algebra_check
 from cemtool.subject.hf.gpt2 import GPT2
+from cemtool.subject.hf.gpt_bigcode import GPTBigCode
 from cemtool.subject.hf.gpt_neox import GPTNeoX
 from cemtool.subject.hf.llama import LlamaLike
 from cemtool.subject.hf.logits_only import LogitsLM
@@ -75,7 +76,8 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    return {t: fam for fam in (GPT2(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3()) for t in fam.model_types}
+    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3())
+    return {t: fam for fam in families for t in fam.model_types}
 
 
 def is_foreign(source: str | Path) -> bool:
