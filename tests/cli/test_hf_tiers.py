@@ -273,6 +273,27 @@ def test_gpt_bigcode_without_multi_query_passes_too():
     assert logits_check(model)["passed"] and hook_algebra_check(model, fam)["passed"]
 
 
+def test_gemma2s_soft_cap_is_part_of_the_pattern_check():
+    """With a soft cap that binds (c = 2 on large weights), the Gemma-2 family passes and the same family without
+    its cap declared does not."""
+    from cemtool.subject.hf.gemma2 import Gemma2
+
+    class NoCap(Gemma2):
+        def softcap(self, layer):
+            return None
+
+    cfg = transformers.AutoConfig.for_model("gemma2", **{**TINY, "attn_logit_softcapping": 2.0})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    assert hook_algebra_check(ForeignLM(hf, Gemma2(), arch="x"), Gemma2())["passed"]
+    check = hook_algebra_check(ForeignLM(hf, NoCap(), arch="x"), NoCap())
+    assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
+
+
 def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
     cfg = transformers.AutoConfig.for_model("granite", **{**TINY, "residual_multiplier": 0.5})
     torch.manual_seed(0)

@@ -117,6 +117,10 @@ class Family(ABC):
         rotary, in the model's own coordinates). Default: no rotary."""
         return q, k
 
+    def softcap(self, layer: nn.Module) -> float | None:
+        """The attention logits' soft cap c (scores -> tanh(s / c) c before the mask; Gemma-2), None without one."""
+        return None
+
     def score_scale(self, layer: nn.Module, shape: Shape) -> float:
         """The factor on q·k before the softmax (the attention module's ``scaling``, else 1/sqrt(d_h))."""
         return float(getattr(self.attention(layer), "scaling", None) or shape.head_dim ** -0.5)

@@ -6,7 +6,8 @@ Per layer, on a few random sequences with every hook point captured (float32):
 
 - the pattern's rows sum to 1 and put no weight on later positions;
 - the pattern is the softmax of the scaled q·k under the causal mask, from the q and k hook points with the
-  family's own rotary applied (``Family.rotate``; the hook points are before RoPE) and its score scale;
+  family's own rotary applied (``Family.rotate``; the hook points are before RoPE), its score scale and its
+  logits' soft cap (``Family.softcap``);
 - z = pattern · v, head by head (a key-value head repeated for the query heads that share it): v and the pattern
   are the values the attention combined, and z what it produced;
 - the attention output z · W_o (+ b_o), from the out-projection module's own weights (through the family's declared
@@ -55,6 +56,9 @@ def hook_algebra_check(model, fam, sequences: int = 2, tokens: int = 12, seed: i
         rep = pattern.shape[1] // v.shape[1]
         scores = q @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).transpose(-1, -2)  # (S, H, T, T)
         scores = scores * fam.score_scale(block.layer, model.shape)
+        cap = fam.softcap(block.layer)
+        if cap:
+            scores = torch.tanh(scores / cap) * cap  # soft-capped logits (Gemma-2), before the mask
         expect = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
         worst["pattern_is_softmax_qk"] = max(worst["pattern_is_softmax_qk"], _rel(expect, pattern))
         worst["z_is_pattern_v"] = max(worst["z_is_pattern_v"], _rel(pattern @ v.repeat_interleave(rep, 1), z))
