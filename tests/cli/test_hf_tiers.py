@@ -294,6 +294,20 @@ def test_gemma2s_soft_cap_is_part_of_the_pattern_check():
     assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
 
 
+def test_cohere_with_qk_norms_is_refused_by_the_algebra():
+    """Cohere's q/k norms (use_qk_norm) are not declared by its family: the pattern check refuses such a config."""
+    cfg = transformers.AutoConfig.for_model("cohere", **{**TINY, "use_qk_norm": True})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    fam = family_adapters()["cohere"]
+    check = hook_algebra_check(ForeignLM(hf, fam, arch="x"), fam)
+    assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
+
+
 def test_a_granite_residual_multiplier_is_refused_by_the_algebra():
     cfg = transformers.AutoConfig.for_model("granite", **{**TINY, "residual_multiplier": 0.5})
     torch.manual_seed(0)

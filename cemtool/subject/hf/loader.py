@@ -52,6 +52,7 @@ from cemtool.runs import Run
 from cemtool.subject.base import Subject
 from cemtool.subject.hf.adapter import ForeignLM
 from cemtool.subject.hf.algebra import hook_algebra_check
+from cemtool.subject.hf.cohere import Cohere
 from cemtool.subject.hf.gemma2 import Gemma2
 from cemtool.subject.hf.gpt2 import GPT2
 from cemtool.subject.hf.gpt_bigcode import GPTBigCode
@@ -77,7 +78,7 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3(), Gemma2())
+    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3(), Gemma2(), Cohere())
     return {t: fam for fam in families for t in fam.model_types}
 
 

@@ -1,0 +1,38 @@
+"""Cohere (Command-R): one LayerNorm feeding attention and MLP in parallel, RoPE on interleaved pairs of
+coordinates (not the two halves as in Llama), logits scaled by ``logit_scale``.
+
+    model.embed_tokens -> model.layers[i] (input_layernorm, self_attn{q,k,v,o}_proj, mlp) -> model.norm ->
+    lm_head
+
+    resid_post = resid_pre + attention output + mlp output      (parallel residual: no resid_mid)
+
+Hook points: q/k/v are the projections' outputs (before RoPE); z the input of o_proj. The pattern check applies
+the family's own interleaved rotary (Cohere's ``apply_rotary_pos_emb``). Rank truncation in the weights' basis
+assumes RoPE planes (p, p + d_h/2), which Cohere's are not: ``qk_weights`` is None (and the saturation analysis
+says so). A config with ``use_qk_norm`` is refused at load by the algebra check (its q/k norms are not declared).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cemtool.subject.hf.llama import LlamaLike
+
+
+class Cohere(LlamaLike):
+    name = "cohere"
+    model_types = ("cohere",)
+    norm, mlp_kind = "layernorm", "swiglu"
+    kinds = {}
+    bilinear_qk = False  # the weights are bilinear, but not in the plane order rank truncation assumes
+
+    def mid_norm(self, layer):
+        return None  # parallel residual
+
+    def rotate(self, hf, q, k):
+        # optional dependency: transformers (a model of this family was built by it)
+        from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
+
+        pos = torch.arange(q.shape[2])[None]  # (1, T)
+        cos, sin = hf.model.rotary_emb(q, pos)
+        return apply_rotary_pos_emb(q, k, cos, sin)
