@@ -60,6 +60,7 @@ from cemtool.subject.hf.gpt_neox import GPTNeoX
 from cemtool.subject.hf.llama import LlamaLike
 from cemtool.subject.hf.logits_only import LogitsLM
 from cemtool.subject.hf.olmo2 import Olmo2
+from cemtool.subject.hf.phi import Phi
 from cemtool.subject.hf.phi3 import Phi3
 from cemtool.subject.hf.qwen3 import Qwen3
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
@@ -78,7 +79,7 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi3(), Gemma2(), Cohere())
+    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi(), Phi3(), Gemma2(), Cohere())
     return {t: fam for fam in families for t in fam.model_types}
 
 
