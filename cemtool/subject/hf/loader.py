@@ -57,6 +57,7 @@ from cemtool.subject.hf.gemma2 import Gemma2
 from cemtool.subject.hf.gpt2 import GPT2
 from cemtool.subject.hf.gpt_bigcode import GPTBigCode
 from cemtool.subject.hf.gpt_neox import GPTNeoX
+from cemtool.subject.hf.gptj import GPTJ
 from cemtool.subject.hf.llama import LlamaLike
 from cemtool.subject.hf.logits_only import LogitsLM
 from cemtool.subject.hf.olmo2 import Olmo2
@@ -79,7 +80,8 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 
 def family_adapters() -> dict:
-    families = (GPT2(), GPTBigCode(), GPTNeoX(), LlamaLike(), Qwen3(), Olmo2(), Phi(), Phi3(), Gemma2(), Cohere())
+    families = (GPT2(), GPTBigCode(), GPTNeoX(), GPTJ(), LlamaLike(), Qwen3(), Olmo2(), Phi(), Phi3(), Gemma2(),
+                Cohere())
     return {t: fam for fam in families for t in fam.model_types}
 
 
