@@ -32,8 +32,8 @@ TINY = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_hea
             intermediate_size=64, max_position_embeddings=64, head_dim=8, num_local_experts=4, num_experts=4,
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, bos_token_id=0, eos_token_id=0,
             pad_token_id=0)
-FAMILY_SIZES = {"gptj": {"rotary_dim": 4}}  # where the generic sizes break a family's own constraint (its default
-# rotary_dim 64 is larger than the tiny head)
+# where the generic sizes break a family's own constraint (a default rotary width larger than the tiny head)
+FAMILY_SIZES = {"gptj": {"rotary_dim": 4}, "stablelm": {"partial_rotary_factor": 0.5}}
 MAX_PARAMS = 1_000_000  # a tiny config the generic sizes do not shrink (a family's own large defaults) is skipped
 
 

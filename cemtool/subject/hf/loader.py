@@ -64,6 +64,7 @@ from cemtool.subject.hf.olmo2 import Olmo2
 from cemtool.subject.hf.phi import Phi
 from cemtool.subject.hf.phi3 import Phi3
 from cemtool.subject.hf.qwen3 import Qwen3
+from cemtool.subject.hf.stablelm import StableLM
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 from cemtool.writes import atomic_write_json, os_error
 
@@ -81,7 +82,7 @@ _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name ->
 
 def family_adapters() -> dict:
     families = (GPT2(), GPTBigCode(), GPTNeoX(), GPTJ(), LlamaLike(), Qwen3(), Olmo2(), Phi(), Phi3(), Gemma2(),
-                Cohere())
+                Cohere(), StableLM())
     return {t: fam for fam in families for t in fam.model_types}
 
 
