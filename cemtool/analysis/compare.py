@@ -307,8 +307,10 @@ def correlation(records: list[dict], by_label: dict[str, list[dict]], x: str, y:
         full = [r for r in both if all(r.get(c) is not None for c in given)]
         out["partial"] = partial_spearman([r[x] for r in full], [r[y] for r in full],
                                           {c: [r[c] for r in full] for c in given})
-        labels = [g for g in by_label if any(r in full for r in by_label[g])]
-        mean = {g: {k: _mean([r[k] for r in by_label[g] if r in full]) for k in (x, y, *given)} for g in labels}
+        kept = {id(r) for r in full}
+        runs = {g: [r for r in rs if id(r) in kept] for g, rs in by_label.items()}
+        labels = [g for g, rs in runs.items() if rs]
+        mean = {g: {k: _mean([r[k] for r in runs[g]]) for k in (x, y, *given)} for g in labels}
         out["partial_arch_level"] = partial_spearman([mean[g][x] for g in labels], [mean[g][y] for g in labels],
                                                      {c: [mean[g][c] for g in labels] for c in given})
     return out

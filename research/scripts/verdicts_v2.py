@@ -357,9 +357,8 @@ def reissue(p, F, root, part: str) -> list[dict]:
         dd = F.diff_of_diffs(l4, b4, l12, b12)
         t = Test("(lime − baseline) at 12 minus at 4", None)
         if dd is not None:
-            half = dd["hi"] - dd["diff"]
-            se = half / float(stats.t.ppf(0.975, dd.get("n", 2) - 1 if "n" in dd else dd["df"]))
-            df = dd["n"] - 1 if "n" in dd else dd["df"]
+            df = dd["n"] - 1 if "n" in dd else dd["df"]  # paired by seed, or Welch over four groups
+            se = (dd["hi"] - dd["diff"]) / float(stats.t.ppf(0.975, df))
             t = Test(t.name, dd["diff"], **_t_parts(dd["diff"], se, df),
                      unit=f"{dd['n']} seeds, paired" if dd.get("method") == "paired by seed" else
                      "Welch, four groups")

@@ -37,6 +37,17 @@ FAMILY_SIZES = {"gptj": {"rotary_dim": 4}, "stablelm": {"partial_rotary_factor":
 MAX_PARAMS = 1_000_000  # a tiny config the generic sizes do not shrink (a family's own large defaults) is skipped
 
 
+def large_weights(cfg):
+    """A model of ``cfg`` with weights N(0, 0.3): attention far from uniform, so a wrong hook mapping shows."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.3)
+    return hf
+
+
 @functools.cache
 def tiny_hf(model_type: str):
     """A tiny causal LM of a family from the generic sizes above, or the reason it cannot be built so (built once per
@@ -70,10 +81,7 @@ def tiny_hf(model_type: str):
 
 
 TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-REFUSED: dict[str, dict] = {}
 SLOW_FORWARD = 0.5  # seconds of a 4-token forward beyond which the test skips the Hessian-vector product
-SLOW: set[str] = set()
-UNSHIFTED: set[str] = set()  # families whose model(labels=) scores logits[t] against labels[t] (no shift)
 
 
 def test_the_enumeration_covers_the_families_people_analyse():
@@ -82,7 +90,7 @@ def test_the_enumeration_covers_the_families_people_analyse():
              "stablelm", "gpt_bigcode", "bloom", "opt", "starcoder2", "cohere", "granite", "smollm3", "mamba",
              "jamba", "falcon_mamba", "rwkv"}
     assert named <= built, sorted(named - built)
-    assert len(built) >= 100  # 132 of 200 causal-LM types on transformers 5.25
+    assert len(built) >= 100  # 107 of 200 causal-LM types on transformers 5.25 build and run a forward
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -99,20 +107,17 @@ def test_tier_a_loss_is_transformers_own_and_one_hvp_runs(model_type):
         ours = float(lm_loss(model(x), y))
         theirs = float(hf(input_ids=idx, labels=idx, use_cache=False).loss)
     if not causal["passed"]:  # refused at load (a bidirectional model, an inconsistent tiny config): say which
-        REFUSED[model_type] = causal
-        return
+        pytest.skip(f"refused at load by the causality check: {causal}")
     if ours != pytest.approx(theirs, rel=1e-6, abs=1e-6):  # a family whose labels= loss does not shift (TrOCR)
         with torch.no_grad():
             logits = hf(input_ids=idx, use_cache=False).logits
             unshifted = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx.reshape(-1)))
         assert theirs == pytest.approx(unshifted, rel=1e-6), (ours, theirs)
-        UNSHIFTED.add(model_type)
         assert ours == pytest.approx(float(lm_loss(logits[:, :-1], y)), rel=1e-6)
     else:
         assert ours == pytest.approx(theirs, rel=1e-6, abs=1e-6)
     if hf.cemtool_test_seconds > SLOW_FORWARD:  # a reference kernel (Falcon-H1's Mamba-2 scan without mamba_ssm)
-        SLOW.add(model_type)  # its loss is checked above; a double backward through it takes ~50 s here
-        return
+        pytest.skip("loss checked; the Hessian-vector product through a reference kernel takes ~50 s here")
     with make_operator("hessian", model, x, y, params="all", dtype="fp32", device="cpu", batch_size=None,
                        graph_budget=None, vectors=1, hvp="exact", mc_samples=1, seed=0) as op:
         v = torch.randn(op.n, generator=g)
@@ -249,12 +254,7 @@ def test_every_tier_b_family_passes_its_load_checks(model_type):
     from cemtool.subject.hf.loader import logits_check
 
     cfg = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILY_SIZES.get(model_type, {}))
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
+    hf = large_weights(cfg)
     fam = family_adapters()[model_type]
     model = ForeignLM(hf, fam, arch="x")
     assert logits_check(model)["passed"]
@@ -285,12 +285,7 @@ def test_gemma2s_soft_cap_is_part_of_the_pattern_check():
             return None
 
     cfg = transformers.AutoConfig.for_model("gemma2", **{**TINY, "attn_logit_softcapping": 2.0})
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
+    hf = large_weights(cfg)
     assert hook_algebra_check(ForeignLM(hf, Gemma2(), arch="x"), Gemma2())["passed"]
     check = hook_algebra_check(ForeignLM(hf, NoCap(), arch="x"), NoCap())
     assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
@@ -299,12 +294,7 @@ def test_gemma2s_soft_cap_is_part_of_the_pattern_check():
 def test_cohere_with_qk_norms_is_refused_by_the_algebra():
     """Cohere's q/k norms (use_qk_norm) are not declared by its family: the pattern check refuses such a config."""
     cfg = transformers.AutoConfig.for_model("cohere", **{**TINY, "use_qk_norm": True})
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.3)
+    hf = large_weights(cfg)
     fam = family_adapters()["cohere"]
     check = hook_algebra_check(ForeignLM(hf, fam, arch="x"), fam)
     assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]

@@ -126,6 +126,15 @@ class Family(ABC):
         return float(getattr(self.attention(layer), "scaling", None) or shape.head_dim ** -0.5)
 
 
+def check_ids(idx: torch.Tensor, max_seq_len: int, vocab_size: int) -> None:
+    """Refuse, in one line, token ids a Hugging Face model cannot take (both tiers)."""
+    if idx.shape[1] > max_seq_len:
+        raise CemtoolError(f"sequence of {idx.shape[1]} tokens is longer than the model's context {max_seq_len}")
+    if idx.numel() and int(idx.max()) >= vocab_size:
+        raise CemtoolError(f"token id {int(idx.max())} is outside the model's vocabulary of {vocab_size}",
+                           hint="evaluate on data tokenised with the model's own tokenizer")
+
+
 def rope_order(head_dim: int, rotary_dims: int) -> torch.Tensor:
     """A permutation of a head's coordinates after which the RoPE planes are (p, p + d_h/2), as cemtool's RoPE and
     rank truncation assume: with partial rotary (the first ``rotary_dims`` coordinates rotate in pairs (i, i + r/2))
@@ -336,12 +345,7 @@ class ForeignLM(Capabilities, nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V)."""
-        if idx.shape[1] > self.max_seq_len:
-            raise CemtoolError(f"sequence of {idx.shape[1]} tokens is longer than the model's "
-                               f"max_position_embeddings {self.max_seq_len}")
-        if idx.numel() and int(idx.max()) >= self.cfg.vocab_size:
-            raise CemtoolError(f"token id {int(idx.max())} is outside the model's vocabulary of {self.cfg.vocab_size}",
-                               hint="evaluate on data tokenised with the model's own tokenizer")
+        check_ids(idx, self.max_seq_len, self.cfg.vocab_size)
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
     def qk_weights(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

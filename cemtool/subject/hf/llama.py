@@ -51,13 +51,16 @@ class LlamaLike(Family):
         return layer.mlp
 
     def rotate(self, hf, q, k):
-        """RoPE as the model applies it, from its own rotary module (cos, sin at positions 0..T-1)."""
+        """RoPE as the model applies it, from its own rotary module (cos, sin at positions 0..T-1), on each head's
+        first ``rotary_dims`` coordinates (all of them but for partial rotary: Phi, StableLM), the rest passed."""
         # optional dependency: transformers (a model of this family was built by it)
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+        r = self.shape(hf.config).rotary_dims
         pos = torch.arange(q.shape[2])[None]  # (1, T)
         cos, sin = hf.model.rotary_emb(q, pos)
-        return apply_rotary_pos_emb(q, k, cos, sin)
+        q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
     def projections(self, layer, s: Shape) -> list[Projection]:
         a = layer.self_attn

@@ -17,6 +17,7 @@ from torch import nn
 from cemtool.config import ModelConfig
 from cemtool.errors import CemtoolError
 from cemtool.models.capabilities import Capabilities
+from cemtool.subject.hf.adapter import check_ids
 
 
 def _first(config, *names: str, default=None):
@@ -58,12 +59,7 @@ class LogitsLM(Capabilities, nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V)."""
-        if idx.shape[1] > self.max_seq_len:
-            raise CemtoolError(f"sequence of {idx.shape[1]} tokens is longer than the model's context "
-                               f"{self.max_seq_len}")
-        if idx.numel() and int(idx.max()) >= self.cfg.vocab_size:
-            raise CemtoolError(f"token id {int(idx.max())} is outside the model's vocabulary of {self.cfg.vocab_size}",
-                               hint="evaluate on data tokenised with the model's own tokenizer")
+        check_ids(idx, self.max_seq_len, self.cfg.vocab_size)
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
     def inside_blocks(self) -> str | None:

@@ -14,8 +14,6 @@ The pattern check applies Phi's partial rotary (the first ``rotary_ndims`` coord
 
 from __future__ import annotations
 
-import torch
-
 from cemtool.subject.hf.adapter import Backbone
 from cemtool.subject.hf.llama import LlamaLike
 
@@ -36,13 +34,3 @@ class Phi(LlamaLike):
 
     def mid_norm(self, layer):
         return None  # parallel residual
-
-    def rotate(self, hf, q, k):
-        # optional dependency: transformers (a model of this family was built by it)
-        from transformers.models.phi.modeling_phi import apply_rotary_pos_emb
-
-        r = hf.model.layers[0].self_attn.rotary_ndims
-        pos = torch.arange(q.shape[2])[None]  # (1, T)
-        cos, sin = hf.model.rotary_emb(q, pos)
-        q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
-        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)

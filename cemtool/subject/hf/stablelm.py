@@ -12,8 +12,6 @@ with ``qk_layernorm`` is refused at load by the algebra check (those norms are n
 
 from __future__ import annotations
 
-import torch
-
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -26,13 +24,3 @@ class StableLM(LlamaLike):
 
     def mid_norm(self, layer):
         return None if layer.use_parallel_residual else layer.post_attention_layernorm
-
-    def rotate(self, hf, q, k):
-        # optional dependency: transformers (a model of this family was built by it)
-        from transformers.models.stablelm.modeling_stablelm import apply_rotary_pos_emb
-
-        r = hf.model.layers[0].self_attn.rotary_ndims
-        pos = torch.arange(q.shape[2])[None]  # (1, T)
-        cos, sin = hf.model.rotary_emb(q, pos)
-        q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
-        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
