@@ -214,6 +214,8 @@ class LayerPoints:
     hidden: str | None
     pattern: str | None
     routing: str | None
+    router: str | None = None  # a mixture of experts' router logits (B, T, E)
+    chosen: str | None = None  # and the experts it chose (B, T, k)
 
 
 def layer_points(model: torch.nn.Module) -> dict[int, LayerPoints]:
@@ -224,8 +226,28 @@ def layer_points(model: torch.nn.Module) -> dict[int, LayerPoints]:
         n = f"blocks.{i}.{suffix}"
         return n if n in names else None
 
-    return {i: LayerPoints(get(i, "attn.v"), get(i, "resid_post"), get(i, "attn.pattern"), get(i, "lime.weights"))
+    return {i: LayerPoints(get(i, "attn.v"), get(i, "resid_post"), get(i, "attn.pattern"), get(i, "lime.weights"),
+                           get(i, "moe.router_logits"), get(i, "moe.experts"))
             for i in layers}
+
+
+def router_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """(B, T, E) router logits -> (B,) each sequence's mean entropy (nats) of the router's softmax over experts."""
+    logp = torch.log_softmax(logits.double(), dim=-1)  # (B, T, E)
+    return -(logp.exp() * logp).sum(-1).mean(-1)  # (B,)
+
+
+def expert_load(counts: torch.Tensor, top_k: int) -> dict:
+    """The fraction of token slots (tokens x k) each expert received, and the load's entropy (nats; its maximum,
+    log E, when every expert gets the same share)."""
+    total = float(counts.sum())
+    frac = counts.double() / max(total, 1.0)  # (E,)
+    nz = frac[frac > 0]
+    H = float(-(nz * nz.log()).sum())
+    E = counts.numel()
+    return {"experts": E, "top_k": top_k, "tokens": int(total) // max(top_k, 1), "fraction": frac.tolist(),
+            "entropy": H, "entropy_max": math.log(E), "entropy_normalised": H / math.log(E) if E > 1 else None,
+            "max_fraction": float(frac.max()), "unused": int((counts == 0).sum())}
 
 
 def _values_concat(v: torch.Tensor) -> torch.Tensor:
@@ -246,6 +268,8 @@ def _transform(patterns: set[str], routing: set[str],
     def f(name: str, x: torch.Tensor) -> torch.Tensor | None:
         if name in patterns:
             return attention_row_stats(x)  # (6, H, T)
+        if name.endswith(".moe.router_logits"):
+            return router_entropy(x)  # (B,)
         if name in routing:
             if x.dim() == 4:
                 s = routed.setdefault(name, [0, 0])
@@ -265,6 +289,7 @@ class _Layer:
     scalars: dict[str, Scalars] = field(default_factory=dict)
     attn: torch.Tensor | None = None
     heads: int = 0
+    expert_counts: torch.Tensor | None = None  # (E,) token slots per expert (mixture of experts)
 
     def stat(self, key: str) -> Scalars:
         return self.scalars.setdefault(key, Scalars())
@@ -281,6 +306,8 @@ def _reduce_ranks(acc: dict[int, _Layer], routed: dict[str, list]) -> None:
             a.scalars[key].all_reduce()
         if a.attn is not None:
             a.attn = all_reduce_sum(a.attn.double().contiguous()).to(a.attn.dtype)
+        if a.expert_counts is not None:
+            a.expert_counts = all_reduce_sum(a.expert_counts.contiguous())
     for name in sorted(routed):
         total = all_reduce_sum(torch.as_tensor(routed[name][0], dtype=torch.float64).contiguous())
         tokens = all_reduce_sum(torch.tensor([float(routed[name][1])], dtype=torch.float64))
@@ -296,7 +323,9 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     """All collapse measures of ``model`` on evaluation inputs (n, T) (token ids), keyed by layer and head.
 
     Returns a JSON-able dict: ``layers`` (one entry per block with ``values``, ``hidden``, ``probe``, ``attention``
-    and, for per-token routers, ``routing_mean``), the probe classes, and token/sequence counts. A measure that
+    and, for per-token routers, ``routing_mean``; for a mixture of experts' layer ``experts``: the fraction of
+    token slots each expert received, that load's entropy, and the router's mean entropy with its standard error
+    over sequences), the probe classes, and token/sequence counts. A measure that
     does not apply to this architecture is the string ``"not applicable: <why>"``.
     """
     if alpha <= 0:
@@ -312,7 +341,7 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     kv_heads = {a.layer: a.kv_heads for a in model.attention_layers()[0]}
     patterns = {p.pattern for p in points.values() if p.pattern}
     routing = {p.routing for p in points.values() if p.routing}
-    names1 = [n for p in points.values() for n in (p.values, p.hidden, p.pattern, p.routing) if n]
+    names1 = [n for p in points.values() for n in (p.values, p.hidden, p.pattern, p.routing, p.router, p.chosen) if n]
     names2 = [n for p in points.values() for n in (p.values, p.hidden) if n]
     acc = {i: _Layer() for i in points}
     routed: dict[str, list] = {}
@@ -350,6 +379,12 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
                 if p.pattern and p.pattern in cache:
                     s = cache[p.pattern]  # (6, H, T)
                     a.attn = s if a.attn is None else a.attn + s
+                if p.router and p.router in cache:
+                    a.stat("router.entropy").update(cache[p.router])  # (B,) per-sequence means
+                if p.chosen and p.chosen in cache:
+                    E = model.experts(i)[0]
+                    n = torch.bincount(cache[p.chosen].reshape(-1), minlength=E).double()  # (E,)
+                    a.expert_counts = n if a.expert_counts is None else a.expert_counts + n
             if progress:
                 progress("pass 1", bi + 1, n_batches)
     for i in sorted(acc):  # pass 2 z-scores with the moments of all tokens
@@ -430,6 +465,11 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
         if p.routing in routed:
             total, tokens = routed[p.routing]
             entry["routing_mean"] = (total / max(tokens, 1)).tolist()  # (H, S) the mix averaged over tokens
+        if a.expert_counts is not None:
+            E, k = model.experts(i)
+            router = a.stat("router.entropy").summary()  # over sequences: each one's mean over its tokens
+            entry["experts"] = {**expert_load(a.expert_counts, k),
+                                "router_entropy": {**router, "max": math.log(E), "unit": "nats"}}
         layers.append(entry)
     return {"measure": "collapse", "alpha": alpha, "sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
             "probe_classes": None if classes is None else {**classes.report(), "per_class": m, "folds": folds,

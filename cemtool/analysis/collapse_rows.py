@@ -50,6 +50,14 @@ def report_rows(report: dict, run: str = "", arch: str = "") -> list[dict]:
             for hrow in att["per_head"]:
                 for f in ("entropy", "entropy_norm", "max_prob", "share_above_0.9", "logit_range"):
                     add(i, hrow["head"], f"attention.{f}", hrow[f])
+        ex = e.get("experts")
+        if ex is not None:  # a mixture of experts: the load per expert ("head" = the expert) and the router
+            for j, f in enumerate(ex["fraction"]):
+                add(i, j, "experts.load", f, n=ex["tokens"])
+            add(i, None, "experts.load_entropy", ex["entropy"], n=ex["tokens"])
+            add(i, None, "experts.load_entropy_normalised", ex["entropy_normalised"], n=ex["tokens"])
+            r = ex["router_entropy"]
+            add(i, None, "experts.router_entropy", r["mean"], r["std"], r["se"], r["n"])
     return rows
 
 
@@ -74,6 +82,10 @@ def layer_summary(report: dict) -> list[dict]:
             row["attn_max_prob"] = _mean([h["max_prob"] for h in heads])
         else:
             row["attn_entropy_norm"] = row["attn_max_prob"] = None
+        ex = e.get("experts")
+        if ex is not None:
+            row["expert_load_entropy_norm"] = ex["entropy_normalised"]
+            row["router_entropy"] = ex["router_entropy"]["mean"]
         out.append(row)
     return out
 

@@ -152,7 +152,8 @@ def _sqrt_psd(S: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def data_factors(model: torch.nn.Module, layers: list[LayerHeads], inputs: torch.Tensor, batch_size: int,
                  device) -> dict[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(Σ_q^{1/2}, Σ_k^{1/2}) per head from the second moments of the pre-RoPE queries and keys."""
+    """(Σ_q^{1/2}, Σ_k^{1/2}) per query head from the second moments of the pre-RoPE queries and keys (under
+    grouped-query attention, the keys of the key-value head the query head reads)."""
     names = [lh.q_point for lh in layers] + [lh.q_point[:-1] + "k" for lh in layers]
     names = [n for n in names if n in hook_points(model)]
     sums: dict[str, torch.Tensor] = {}
@@ -170,8 +171,10 @@ def data_factors(model: torch.nn.Module, layers: list[LayerHeads], inputs: torch
     out = {}
     for lh in layers:
         k_name = lh.q_point[:-1] + "k"
+        group = lh.heads // lh.kv_heads  # query heads per key-value head (grouped-query attention)
         if lh.q_point in sums and k_name in sums:
-            out[lh.layer] = [(_sqrt_psd(sums[lh.q_point][h]), _sqrt_psd(sums[k_name][h])) for h in range(lh.heads)]
+            out[lh.layer] = [(_sqrt_psd(sums[lh.q_point][h]), _sqrt_psd(sums[k_name][h // group]))
+                             for h in range(lh.heads)]
     return out
 
 

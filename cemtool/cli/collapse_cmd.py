@@ -65,6 +65,13 @@ def print_summary(payload: dict) -> None:
                         if isinstance(v, str)})
         for n in notes:
             console.result(f"  {n}")
+        moe = [e for e in c["layers"] if e.get("experts")]
+        for e in moe:
+            ex, rt = e["experts"], e["experts"]["router_entropy"]
+            console.result(f"  L{e['layer']} experts ({ex['experts']}, top {ex['top_k']}): load entropy "
+                           f"{_f(ex['entropy'])} of {_f(ex['entropy_max'])} nats, largest share "
+                           f"{_f(ex['max_fraction'])}, {ex['unused']} unused; router entropy {_f(rt['mean'])} ± "
+                           f"{_f(rt['se'])} nats")
         if isinstance(r["routing"], dict):
             exp = ", ".join(f"L{e['layer']}: {e['expected_layer']:.2f}" for e in r["routing"]["layers"])
             console.result(f"  LIMe {r['routing']['variant']} router, expected retrieved layer: {exp}")

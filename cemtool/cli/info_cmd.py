@@ -19,6 +19,9 @@ from cemtool.config import describe_fields, resolve, to_dict
 def runs(
     root: Annotated[Path, typer.Argument(help="a run, or a folder searched for runs")] = Path("runs"),
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="with --hf: print docs/models.md's table of the "
+                                                              "tier-b families, generated from their declarations")
+                        ] = False,
 ) -> None:
     """List runs with what made them (kind: train, fine-tune), their data, status, steps and last validation loss
     (on the run's own data: a fine-tune's is on its target data). A run marked running whose process is gone
@@ -62,6 +65,9 @@ def archs(
                                                "tier cemtool gives each (b: every analysis; a: sharpness and "
                                                "forgetting through the logits)")] = False,
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="with --hf: print docs/models.md's table of the "
+                                                              "tier-b families, generated from their declarations")
+                        ] = False,
 ) -> None:
     """List the registered architectures: name, family and what each is (instant; no model is built).
     With --hf, the Hugging Face families instead, each with its tier (docs/models.md).
@@ -70,8 +76,13 @@ def archs(
     With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
     vocab_, seq_len_ = vocab or 512, seq_len or 64
     if hf:
-        from cemtool.subject.hf.loader import hf_families  # start-up: transformers
+        from cemtool.subject.hf.catalog import hf_families  # start-up: transformers
 
+        if markdown:
+            from cemtool.subject.hf.catalog import families_table  # start-up: transformers
+
+            console.result(families_table())
+            return
         rows = hf_families()
         if json_:
             console.print_json(rows)

@@ -72,6 +72,12 @@ class Capabilities:
         """LIMe's mixing weights per layer (see cemtool.models.lime), None without routers."""
         return None
 
+    def experts(self, layer: int) -> tuple[int, int] | None:
+        """(experts, experts chosen per token) of a layer whose MLP is a mixture of experts, with its router's hook
+        points ``blocks.<layer>.moe.router_logits`` (B, T, E) and ``blocks.<layer>.moe.experts`` (B, T, k); None
+        for a dense MLP."""
+        return None
+
     def stream_scalars(self) -> list[dict] | None:
         """The learned scalars of the optimizer streams per layer and substep (momentum family), None elsewhere."""
         return None

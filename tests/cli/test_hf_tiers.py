@@ -23,8 +23,9 @@ from cemtool.models.lm import lm_loss
 from cemtool.subject import open_subject
 from cemtool.subject.hf.adapter import ForeignLM, Projection
 from cemtool.subject.hf.algebra import hook_algebra_check
+from cemtool.subject.hf.catalog import family_adapters
 from cemtool.subject.hf.llama import LlamaLike
-from cemtool.subject.hf.loader import causality_check, family_adapters
+from cemtool.subject.hf.loader import causality_check
 from cemtool.subject.hf.logits_only import LogitsLM
 
 V = 128
@@ -35,6 +36,16 @@ TINY = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_hea
 # where the generic sizes break a family's own constraint (a default rotary width larger than the tiny head)
 FAMILY_SIZES = {"gptj": {"rotary_dim": 4}, "stablelm": {"partial_rotary_factor": 0.5}}
 MAX_PARAMS = 1_000_000  # a tiny config the generic sizes do not shrink (a family's own large defaults) is skipped
+
+
+def config_of(model_type: str, **extra):
+    """A tiny config of a family from the generic sizes (without ``head_dim`` where the family computes it: Falcon's
+    is a read-only property)."""
+    sizes = {**TINY, **FAMILY_SIZES.get(model_type, {}), **extra}
+    try:
+        return transformers.AutoConfig.for_model(model_type, **sizes)
+    except AttributeError:
+        return transformers.AutoConfig.for_model(model_type, **{k: v for k, v in sizes.items() if k != "head_dim"})
 
 
 def large_weights(cfg):
@@ -55,7 +66,7 @@ def tiny_hf(model_type: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            cfg = transformers.AutoConfig.for_model(model_type, **TINY)
+            cfg = config_of(model_type)
         except Exception as e:  # noqa: BLE001
             return None, f"config: {type(e).__name__}"
         if getattr(cfg, "is_encoder_decoder", False) or (type(cfg) in MODEL_FOR_MASKED_LM_MAPPING
@@ -87,7 +98,7 @@ SLOW_FORWARD = 0.5  # seconds of a 4-token forward beyond which the test skips t
 def test_the_enumeration_covers_the_families_people_analyse():
     built = {t for t in TYPES if tiny_hf(t)[0] is not None}
     named = {"phi", "phi3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2", "qwen3", "qwen3_moe", "mixtral",
-             "stablelm", "gpt_bigcode", "bloom", "opt", "starcoder2", "cohere", "granite", "smollm3", "mamba",
+             "stablelm", "falcon", "gpt_bigcode", "bloom", "opt", "starcoder2", "cohere", "granite", "smollm3", "mamba",
              "jamba", "falcon_mamba", "rwkv"}
     assert named <= built, sorted(named - built)
     assert len(built) >= 100  # 107 of 200 causal-LM types on transformers 5.25 build and run a forward
@@ -232,7 +243,7 @@ def test_deliberately_wrong_mappings_are_caught():
             return [q, k, Projection(layer.self_attn.k_proj, "v", k.index, k.heads)]
 
     class QAfterRoPE(LlamaLike):  # a q/k hook declared as already rotated: the scores miss the rotary
-        def rotate(self, hf, q, k):
+        def rotate(self, hf, q, k, layer):
             return q, k
 
     torch.manual_seed(0)
@@ -253,7 +264,7 @@ def test_every_tier_b_family_passes_its_load_checks(model_type):
     the adapter's logits equal transformers' and its hook points satisfy the block's algebra."""
     from cemtool.subject.hf.loader import logits_check
 
-    cfg = transformers.AutoConfig.for_model(model_type, **TINY, **FAMILY_SIZES.get(model_type, {}))
+    cfg = config_of(model_type)
     hf = large_weights(cfg)
     fam = family_adapters()[model_type]
     model = ForeignLM(hf, fam, arch="x")
@@ -291,12 +302,21 @@ def test_gemma2s_soft_cap_is_part_of_the_pattern_check():
     assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
 
 
-def test_cohere_with_qk_norms_is_refused_by_the_algebra():
-    """Cohere's q/k norms (use_qk_norm) are not declared by its family: the pattern check refuses such a config."""
-    cfg = transformers.AutoConfig.for_model("cohere", **{**TINY, "use_qk_norm": True})
-    hf = large_weights(cfg)
-    fam = family_adapters()["cohere"]
-    check = hook_algebra_check(ForeignLM(hf, fam, arch="x"), fam)
+@pytest.mark.parametrize("model_type,flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm"),
+                                             ("stablelm", "qk_layernorm")])
+def test_optional_qk_norms_are_declared_and_the_hooks_before_them_are_caught(model_type, flag):
+    """Cohere's use_qk_norm (Command R+), Phi's and StableLM's qk_layernorm (StableLM-2 12B): with the norms on, the
+    family's q/k hook points are the norms' outputs and the algebra holds; the same model read at the projections
+    (where the mapping puts them without the norms) breaks the pattern check."""
+    fam = family_adapters()[model_type]
+
+    class AtTheProjections(type(fam)):
+        def projections(self, layer, s):
+            return LlamaLike.projections(self, layer, s)
+
+    hf = large_weights(config_of(model_type, **{flag: True}))
+    assert hook_algebra_check(ForeignLM(hf, fam, arch="x"), fam)["passed"]
+    check = hook_algebra_check(ForeignLM(hf, AtTheProjections(), arch="x"), AtTheProjections())
     assert not check["passed"] and check["pattern_is_softmax_qk"] > 10 * check["tolerance"]
 
 

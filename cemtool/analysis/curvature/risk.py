@@ -55,14 +55,21 @@ def _has_word(name: str, words: set[str]) -> bool:
     return any(w in words for part in name.split(".") for w in part.split("_"))
 
 
+def _glob(name: str, pattern: str) -> bool:
+    """``pattern`` matches the whole dotted name or its trailing components (``experts.*`` matches
+    ``blocks.0.layer.mlp.experts.down_proj``)."""
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+
+
 def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn.Parameter]]:
     """The parameters a curvature measurement is restricted to (shared tensors once, in model order).
 
     ``spec`` is a comma-separated union of: ``all``; ``layer:N`` (``blocks.N.*``); ``attn`` / ``mlp`` /
     ``embed`` (every parameter with that word in its dotted name: ``blocks.N.attn.*``, ``ln_attn``,
-    ``attn_step``...; ``tok_emb``, ``head``...); or a glob on the names (``blocks.*.mlp.up.weight``), or on the
-    model's own names where it has others (``model.parameter_aliases()``: a Hugging Face model's
-    ``model.layers.3.mlp.*``, cemtool.subject.hf).
+    ``attn_step``...; ``tok_emb``, ``head``...); ``experts`` (a mixture of experts' expert weights: every parameter
+    under a module named ``experts``); or a glob on the names (``blocks.*.mlp.up.weight``) or on their trailing
+    components (``experts.*``, ``mlp.gate.weight``: the router), or on the model's own names where it has others
+    (``model.parameter_aliases()``: a Hugging Face model's ``model.layers.3.mlp.*``, cemtool.subject.hf).
     """
     declared = model if isinstance(model, Capabilities) else None  # any module; a cemtool or HF model says more
     fixed = declared.fixed_parameters() if declared else {}  # coordinates of the model (an export's added zeros)
@@ -84,13 +91,14 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
         elif part in ("attn", "mlp", "embed"):
             words = {"attn": _ATTN_WORDS, "mlp": _MLP_WORDS, "embed": _EMBED_WORDS}[part]
             hit = {n for n, _ in named if _has_word(n, words)}
+        elif part == "experts":
+            hit = {n for n, _ in named if "experts" in n.split(".")[:-1]}
         else:
-            hit = {n for n, _ in named if fnmatch.fnmatchcase(n, part) or
-                   any(fnmatch.fnmatchcase(a, part) for a in aliases.get(n, ()))}
+            hit = {n for n, _ in named if any(_glob(name, part) for name in (n, *aliases.get(n, ())))}
         if not hit:
             example = named[min(1, len(named) - 1)][0] if named else "?"
             raise CemtoolError(f"parameter selection {part!r} matches no parameter of the model",
-                               hint=f"use all, layer:N, attn, mlp, embed or a glob on names like {example}")
+                               hint=f"use all, layer:N, attn, mlp, embed, experts or a glob on names like {example}")
         chosen |= hit
     return [(n, p) for n, p in named if n in chosen]
 

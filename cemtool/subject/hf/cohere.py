@@ -9,30 +9,46 @@ coordinates (not the two halves as in Llama), logits scaled by ``logit_scale``.
 Hook points: q/k/v are the projections' outputs (before RoPE); z the input of o_proj. The pattern check applies
 the family's own interleaved rotary (Cohere's ``apply_rotary_pos_emb``). Rank truncation in the weights' basis
 assumes RoPE planes (p, p + d_h/2), which Cohere's are not: ``qk_weights`` is None (and the saturation analysis
-says so). A config with ``use_qk_norm`` is refused at load by the algebra check (its q/k norms are not declared).
+says so). With ``use_qk_norm`` (Command R+) the q and k hook points are the outputs of its per-head q/k norms.
 """
 
 from __future__ import annotations
 
 import torch
 
+from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
 class Cohere(LlamaLike):
     name = "cohere"
     model_types = ("cohere",)
+    routers = ()
     norm, mlp_kind = "layernorm", "swiglu"
     kinds = {}
     bilinear_qk = False  # the weights are bilinear, but not in the plane order rank truncation assumes
+    residual = "parallel"
+    norms = "one pre-LayerNorm for both sublayers"
+    positions = "RoPE on interleaved pairs"
+    points = {"q, k, v": "the projections' outputs, before RoPE (q, k: the q/k norms' outputs with use_qk_norm)",
+              "z": "input of o_proj"}
 
     def mid_norm(self, layer):
         return None  # parallel residual
 
-    def rotate(self, hf, q, k):
+    def rotate(self, hf, q, k, layer):
         # optional dependency: transformers (a model of this family was built by it)
         from transformers.models.cohere.modeling_cohere import apply_rotary_pos_emb
 
         pos = torch.arange(q.shape[2])[None]  # (1, T)
         cos, sin = hf.model.rotary_emb(q, pos)
         return apply_rotary_pos_emb(q, k, cos, sin)
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        """With use_qk_norm, q and k are the outputs of the per-head norms (B, T, heads, d_h), before RoPE."""
+        a = layer.self_attn
+        q, k, v = super().projections(layer, s)
+        if not a.use_qk_norm:
+            return [q, k, v]
+        return [Projection(a.q_norm, "q", q.index, q.heads, layout="bthd"),
+                Projection(a.k_norm, "k", k.index, k.heads, layout="bthd"), v]

@@ -54,7 +54,8 @@ from cemtool.models.baseline import Block
 from cemtool.models.lm import LM
 from cemtool.models.registry import get_arch
 from cemtool.subject import open_subject
-from cemtool.subject.hf.loader import EXPORT_FILE, _transformers
+from cemtool.subject.hf.catalog import transformers_module as _transformers
+from cemtool.subject.hf.loader import EXPORT_FILE
 from cemtool.writes import atomic_write_bytes, atomic_write_json
 
 TOLERANCE = 1e-5  # max |logit difference| / max(1, max |logit|), fp32

@@ -20,7 +20,12 @@ from cemtool.subject.hf.llama import LlamaLike
 class Gemma2(LlamaLike):
     name = "gemma2"
     model_types = ("gemma2",)
+    routers = ()
     kinds = {"gemma2": ("rmsnorm", "gelu")}
+    norms = "sandwich (RMSNorm before and after each sublayer)"
+    positions = "RoPE; sliding windows on alternate layers"
+    points = {"q, k, v": "the projections' outputs, before RoPE", "resid_mid": "input of pre_feedforward_layernorm",
+              "mlp.out": "MLP output, before its post-norm", "z": "input of o_proj"}
 
     def mid_norm(self, layer):
         return layer.pre_feedforward_layernorm

@@ -17,6 +17,9 @@ from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
 class GPT2(Family):
     name = "gpt2"
     model_types = ("gpt2",)
+    positions = "learned"
+    points = {"q, k, v": "the three d-wide thirds of c_attn's output (biases included)", "resid_mid": "input of ln_2",
+              "z": "input of attn.c_proj"}
 
     def backbone(self, hf):
         t = hf.transformer

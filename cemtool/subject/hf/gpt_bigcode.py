@@ -19,6 +19,9 @@ from cemtool.subject.hf.gpt2 import GPT2
 class GPTBigCode(GPT2):
     name = "gpt_bigcode"
     model_types = ("gpt_bigcode",)
+    points = {"q, k, v": "slices of c_attn's output: q the first d features, then one key and one value head "
+                         "(multi_query), else per head [q | k | v]", "resid_mid": "input of ln_2",
+              "z": "input of attn.c_proj"}
 
     def shape(self, c) -> Shape:
         dh = c.n_embd // c.n_head

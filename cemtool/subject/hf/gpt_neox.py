@@ -19,6 +19,11 @@ from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape, rope
 class GPTNeoX(Family):
     name = "gpt_neox"
     model_types = ("gpt_neox",)
+    residual = "parallel (use_parallel_residual, Pythia's default), or sequential"
+    positions = "partial RoPE (rotary_pct)"
+    points = {"q, k, v": "per-head slices of query_key_value's output, before RoPE; q and k in rope_order",
+              "resid_mid": "input of post_attention_layernorm (sequential residual only)",
+              "z": "input of attention.dense"}
 
     def backbone(self, hf):
         m = hf.gpt_neox
@@ -42,7 +47,7 @@ class GPTNeoX(Family):
     def mlp(self, layer):
         return layer.mlp
 
-    def rotate(self, hf, q, k):
+    def rotate(self, hf, q, k, layer):
         """The hook points' :func:`rope_order` undone, then the model's own partial RoPE."""
         # optional dependency: transformers (a model of this family was built by it)
         from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb

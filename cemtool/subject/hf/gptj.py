@@ -22,6 +22,10 @@ from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
 class GPTJ(Family):
     name = "gptj"
     model_types = ("gptj",)
+    residual = "parallel"
+    norms = "one pre-LayerNorm for both sublayers"
+    positions = "RoPE on interleaved pairs of the first rotary_dim coordinates"
+    points = {"q, k, v": "the projections' outputs, before RoPE", "z": "input of attn.out_proj"}
     bilinear_qk = False
 
     def backbone(self, hf):
@@ -48,7 +52,7 @@ class GPTJ(Family):
         a, n = layer.attn, s.n_head * s.head_dim
         return [Projection(getattr(a, f"{p}_proj"), p, torch.arange(n), s.n_head) for p in "qkv"]
 
-    def rotate(self, hf, q, k):
+    def rotate(self, hf, q, k, layer):
         # optional dependency: transformers (a model of this family was built by it)
         from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb
 

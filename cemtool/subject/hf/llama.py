@@ -15,6 +15,8 @@ import torch
 
 from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
 
+WINDOW_FROM_CONFIG = ("mistral", "mixtral", "phi3", "starcoder2")  # every layer's window is config.sliding_window
+
 
 class LlamaLike(Family):
     name = "llama"
@@ -25,6 +27,11 @@ class LlamaLike(Family):
     model_types = ("llama", "mistral", "qwen2", "ministral", "arcee", "seed_oss", "granite", "mixtral", "qwen2_moe",
                    "gemma", "olmo", "starcoder2", "exaone")
     norm, mlp_kind = "rmsnorm", "swiglu"
+    norms = "pre-norm (RMSNorm; LayerNorm in OLMo and StarCoder2)"
+    routers = ("mixtral", "qwen2_moe")
+    positions = "RoPE (partial where partial_rotary_factor < 1); sliding windows where configured"
+    points = {"q, k, v": "q_proj / k_proj / v_proj outputs (biases included), before RoPE",
+              "resid_mid": "input of post_attention_layernorm", "z": "input of o_proj"}
     kinds = {"starcoder2": ("layernorm", "gelu"), "olmo": ("layernorm", "swiglu"),  # cemtool's nearest names for
              "gemma": ("rmsnorm", "gelu")}  # the norm and MLP (descriptive: the model's own modules run)
 
@@ -50,17 +57,37 @@ class LlamaLike(Family):
     def mlp(self, layer):
         return layer.mlp
 
-    def rotate(self, hf, q, k):
+    def rotate(self, hf, q, k, layer):
         """RoPE as the model applies it, from its own rotary module (cos, sin at positions 0..T-1), on each head's
         first ``rotary_dims`` coordinates (all of them but for partial rotary: Phi, StableLM), the rest passed."""
         # optional dependency: transformers (a model of this family was built by it)
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-        r = self.shape(hf.config).rotary_dims
+        r = self.rotary_dims(layer, self.shape(hf.config))
+        if r == 0:
+            return q, k
         pos = torch.arange(q.shape[2])[None]  # (1, T)
-        cos, sin = hf.model.rotary_emb(q, pos)
+        cos, sin = self.cos_sin(hf, q, pos, layer)
         q_rot, k_rot = apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin)
         return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+    def window(self, layer):
+        """The attention module's own ``sliding_window`` (Qwen2, Ministral, Gemma-2: per layer), or for the types
+        that read it from the config in every layer (Mistral, Mixtral, Phi-3, StarCoder2) the config's."""
+        a = self.attention(layer)
+        if a.config.model_type in WINDOW_FROM_CONFIG:
+            return int(a.config.sliding_window) if a.config.sliding_window else None
+        return super().window(layer)
+
+    def cos_sin(self, hf, x, pos, layer):
+        """The model's own rotary module's (cos, sin) at positions ``pos``."""
+        return hf.model.rotary_emb(x, pos)
+
+    def router(self, layer):
+        """The sparse block's router (Mixtral, Qwen2-MoE, Qwen3-MoE: ``mlp.gate`` beside ``mlp.experts``), None for
+        a dense MLP (also a Qwen-MoE layer listed in ``mlp_only_layers``)."""
+        experts = getattr(layer.mlp, "experts", None)
+        return layer.mlp.gate if isinstance(experts, torch.nn.Module) else None
 
     def projections(self, layer, s: Shape) -> list[Projection]:
         a = layer.self_attn

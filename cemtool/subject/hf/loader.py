@@ -14,15 +14,17 @@ Rules (docs/models.md):
   refused before anything is read, and transformers is called with ``use_safetensors=True``; an ``hf:`` download
   fetches only safetensors, JSON and tokenizer files;
 - ``hf:`` ids resolve through huggingface_hub's own cache (``HF_HOME``, ``HF_HUB_OFFLINE=1`` honoured);
-- the model is loaded in float32 with ``attn_implementation="eager"`` (double backward for Hessians, attention
+- the model is loaded in float32 with eager attention and eager experts (:data:`EAGER`: double backward for
+  Hessians, float64 for ``--dtype fp64``, which transformers' grouped-matmul experts refuse; attention
   probabilities for collapse and saturation) and wrapped in :class:`~cemtool.subject.hf.adapter.ForeignLM`;
 - its own tokenizer (``tokenizer.json``, else the files transformers converts to one); none is needed for
   pretokenised ids (``.bin``/``.npy`` data);
 - at load, the adapter's logits (with every hook point captured) are compared with the plain transformers forward
   (no hooks; the default attention kernel) on a few sequences; a mismatch beyond 1e-5 is refused, and the check is
   recorded in the source description every report's provenance carries;
-- two tiers (docs/models.md): a model type with a declared family adapter (gpt2.py, gpt_neox.py, llama.py) is
-  wrapped in ForeignLM (hook points: every analysis); any other causal LM transformers builds is wrapped in
+- two tiers (docs/models.md): a model type with a declared family adapter (catalog.py) is wrapped in ForeignLM
+  (hook points: every analysis) unless its family refuses the config by name (``Family.refuse``: a structure it
+  does not declare, recorded as ``tier_b_refused``); any other causal LM transformers builds is wrapped in
   :class:`~cemtool.subject.hf.logits_only.LogitsLM` (its own forward, no hook points: sharpness and forgetting;
   collapse-report and saturation refuse it by name).
 """
@@ -52,22 +54,14 @@ from cemtool.runs import Run
 from cemtool.subject.base import Subject
 from cemtool.subject.hf.adapter import ForeignLM
 from cemtool.subject.hf.algebra import hook_algebra_check
-from cemtool.subject.hf.cohere import Cohere
-from cemtool.subject.hf.gemma2 import Gemma2
-from cemtool.subject.hf.gpt2 import GPT2
-from cemtool.subject.hf.gpt_bigcode import GPTBigCode
-from cemtool.subject.hf.gpt_neox import GPTNeoX
-from cemtool.subject.hf.gptj import GPTJ
-from cemtool.subject.hf.llama import LlamaLike
+from cemtool.subject.hf.catalog import family_of
+from cemtool.subject.hf.catalog import transformers_module as _transformers
 from cemtool.subject.hf.logits_only import LogitsLM
-from cemtool.subject.hf.olmo2 import Olmo2
-from cemtool.subject.hf.phi import Phi
-from cemtool.subject.hf.phi3 import Phi3
-from cemtool.subject.hf.qwen3 import Qwen3
-from cemtool.subject.hf.stablelm import StableLM
 from cemtool.tensorfile import BadTensorFile, TensorInfo, read_header
 from cemtool.writes import atomic_write_json, os_error
 
+EAGER = {"attn_implementation": "eager",  # the attention probabilities, and a double backward
+         "experts_implementation": "eager"}  # a mixture of experts in float64 (grouped_mm takes no float64)
 PICKLES = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
 HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken"]  # never a pickle
 ALGEBRA_KEYS = ("rows_sum_to_one", "causal_pattern", "pattern_is_softmax_qk", "z_is_pattern_v", "resid_mid",
@@ -78,27 +72,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "*.tiktoken")  # what AutoTokenizer reads; without any, only token ids can be evaluated
 SOURCE_FILE = "model_source.json"  # written beside the reports: what was loaded (read by report.provenance)
 _CONFIGS: dict[str, dict] = {}  # registered foreign architectures: arch name -> transformers config
-
-
-def family_adapters() -> dict:
-    families = (GPT2(), GPTBigCode(), GPTNeoX(), GPTJ(), LlamaLike(), Qwen3(), Olmo2(), Phi(), Phi3(), Gemma2(),
-                Cohere(), StableLM())
-    return {t: fam for fam in families for t in fam.model_types}
+_REFUSED: dict[str, str] = {}  # registered architectures whose tier-b mapping failed a load check: arch -> why
 
 
 def is_foreign(source: str | Path) -> bool:
     s = str(source)
     return s.startswith("hf:") or is_hf_dir(Path(s))
-
-
-def _transformers():
-    try:
-        import transformers  # optional dependency: transformers (the extra cemtool[hf])
-    except ImportError:
-        raise CemtoolError("loading Hugging Face models needs the transformers package",
-                           hint='install the extra: pip install -e ".[hf]"') from None
-    transformers.utils.logging.disable_progress_bar()  # cemtool prints its own progress
-    return transformers
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -250,7 +229,7 @@ def _with_layers(config, k: int):
 
 def _meta_params(config) -> int:
     with torch.device("meta"):
-        m = _transformers().AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+        m = _transformers().AutoModelForCausalLM.from_config(config, **EAGER,
                                                              trust_remote_code=False)
     return sum(t.numel() for t in m.parameters())
 
@@ -329,7 +308,7 @@ def load_hf_model(path: Path, config, spec: str | None = None):
     transformers.utils.logging.set_verbosity_error()  # its load report is ours to give, in one line
     try:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path), config=config, use_safetensors=True, local_files_only=True, attn_implementation="eager",
+            str(path), config=config, use_safetensors=True, local_files_only=True, **EAGER,
             trust_remote_code=False, ignore_mismatched_sizes=True, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise CemtoolError(f"{path}: transformers could not load the model ({str(e).splitlines()[0][:160]})") from None
@@ -419,57 +398,22 @@ def causality_check(model, tokens: int = 9, seed: int = 1) -> dict:
             "tolerance": TOLERANCE, "passed": max(future, length) <= TOLERANCE * scale}
 
 
-def hf_families() -> list[dict]:
-    """Every model type of the installed transformers' causal-LM mapping, and the tier cemtool gives it: ``b`` (a
-    declared family adapter: every analysis), ``a`` (through the logits alone: sharpness and forgetting; the load-time
-    causality check still applies), or refused by kind (encoder-decoder; an encoder whose causal head needs
-    ``is_decoder``). Read from the mapping and the config classes' defaults: no model is built."""
-    transformers = _transformers()
-    CONFIG_MAPPING = transformers.models.auto.configuration_auto.CONFIG_MAPPING
-    CAUSAL = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    MASKED = transformers.models.auto.modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    adapters = family_adapters()
-    rows = []
-    verbosity = transformers.utils.logging.get_verbosity()
-    transformers.utils.logging.set_verbosity_error()  # default configs warn about their own token ids
-    try:
-        kinds = {}
-        for mt in CAUSAL:
-            try:
-                kinds[mt] = bool(getattr(CONFIG_MAPPING[mt](), "is_encoder_decoder", False))
-            except Exception:  # noqa: BLE001  (a config class without usable defaults: judged when loaded)
-                kinds[mt] = False
-    finally:
-        transformers.utils.logging.set_verbosity(verbosity)
-    for mt, cls in sorted(CAUSAL.items()):
-        enc_dec = kinds[mt]
-        if mt in adapters:
-            tier, note = "b", f"adapter {adapters[mt].name}: every analysis"
-        elif enc_dec:
-            tier, note = "refused", "encoder-decoder"
-        elif mt in MASKED:
-            tier, note = "a", "an encoder family: only a config with is_decoder=true is causal (checked at load)"
-        else:
-            tier, note = "a", "logits only: sharpness, forgetting (collapse-report and saturation need an adapter)"
-        rows.append({"model_type": mt, "class": cls if isinstance(cls, str) else str(cls), "tier": tier,
-                     "note": note})
-    return rows
-
-
-def register_arch(config: dict) -> str:
+def register_arch(config: dict, refused: str | None = None) -> str:
     """Register the architecture of a transformers config with cemtool's registry (so that ``build_model`` and the
     training loop, e.g. a forgetting fine-tune, build it, with fresh weights) under ``hf-<model_type>-<hash>``."""
     body = {k: v for k, v in config.items() if k not in ("transformers_version", "_name_or_path")}
     arch = f"hf-{config['model_type']}-{hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:6]}"
     _CONFIGS[arch] = body
+    if refused:
+        _REFUSED[arch] = refused
     register(arch, "foreign", build_foreign, description=f"transformers {config['model_type']} (cemtool.subject.hf)")
     return arch
 
 
 def register_saved(run_path: Path) -> None:
     """Register the architecture of a run made from a foreign model (a fine-tune), from its model_source.json."""
-    register_arch(read_json(Path(run_path) / SOURCE_FILE, "model description")["config"])
+    src = read_json(Path(run_path) / SOURCE_FILE, "model description")
+    register_arch(src["config"], src.get("tier_b_refused") if isinstance(src.get("tier_b_refused"), str) else None)
 
 
 def build_foreign(cfg):
@@ -483,10 +427,12 @@ def build_foreign(cfg):
                            hint="allocation advice needs a cemtool architecture")
     body = dict(_CONFIGS[cfg.arch])
     config = transformers.AutoConfig.for_model(body.pop("model_type"), **body)
-    hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+    hf = transformers.AutoModelForCausalLM.from_config(config, **EAGER,
                                                        trust_remote_code=False).float().eval()
-    fam = family_adapters().get(config.model_type)
-    return ForeignLM(hf, fam, arch=cfg.arch) if fam is not None else LogitsLM(hf, arch=cfg.arch)
+    fam, why = family_of(config)
+    if cfg.arch in _REFUSED:  # its mapping failed a load check when the source model was loaded
+        fam, why = None, _REFUSED[cfg.arch]
+    return ForeignLM(hf, fam, arch=cfg.arch) if fam is not None else LogitsLM(hf, arch=cfg.arch, why=why)
 
 
 ADDED = "added by cemtool export (zero; the run has no such parameters)"
@@ -555,13 +501,13 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     refuse_remote_code(path)
     weights = check_files(path)
     config = read_config(path)
-    fam = family_adapters().get(config.model_type)  # None: tier a, through the logits alone (logits_only.py)
+    fam, refused = family_of(config)  # None: tier a, through the logits alone (logits_only.py)
     found = read_headers(weights)
     check_size(spec, path, config, found)
     record = read_export(path)
     hf = load_hf_model(path, config, spec)
     arch = register_arch(config.to_dict())
-    model = ForeignLM(hf, fam, arch=arch) if fam is not None else LogitsLM(hf, arch=arch)
+    model = ForeignLM(hf, fam, arch=arch) if fam is not None else LogitsLM(hf, arch=arch, why=refused)
     mark_added(model, (record or {}).get("added_parameters") or [], spec)
     causal = causality_check(model)
     if not causal["passed"]:
@@ -571,30 +517,33 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         raise CemtoolError(f"{spec}: model type {config.model_type!r} is not a causal language model as cemtool "
                            f"measures one: {what} (by {by:.3g})",
                            hint="cemtool analyses next-token (causal) language models")
-    check = logits_check(model) if fam is not None else {
-        "passed": True, "reference": "none needed: tier a runs transformers' own forward, nothing is remapped"}
-    if not check["passed"]:
-        raise CemtoolError(f"{spec}: the {fam.name} adapter's logits differ from transformers' by "
-                           f"{check['max_abs_diff']:.3g} (tolerance {TOLERANCE:g} x {check['scale']:.3g})",
-                           hint="report it with the model's config.json")
-    algebra = hook_algebra_check(model, fam) if fam is not None else None
-    if algebra is not None and not algebra["passed"]:
+    check = logits_check(model) if fam is not None else None
+    algebra = hook_algebra_check(model, fam) if fam is not None and check["passed"] else None
+    if check is not None and not check["passed"]:  # the hooks change the computation: no mapping is trusted
+        refused = (f"the {fam.name} adapter's logits differ from transformers' by {check['max_abs_diff']:.3g} "
+                   f"(tolerance {TOLERANCE:g} x {check['scale']:.3g}); please report it with the config.json")
+    elif algebra is not None and not algebra["passed"]:  # a structure the family does not declare
         broken = ", ".join(f"{k} off by {algebra[k]:.3g}" for k in ALGEBRA_KEYS if algebra[k] > algebra["tolerance"])
-        raise CemtoolError(f"{spec}: the {fam.name} adapter's hook points break the block's algebra ({broken}): "
-                           f"the mapping does not fit model type {config.model_type!r}",
-                           hint="sharpness and forgetting need no mapping; report the config.json")
+        refused = f"the {fam.name} adapter's hook points break the block's algebra ({broken})"
+    if fam is not None and refused is not None:  # tier a: transformers' own forward, nothing remapped
+        model, fam = LogitsLM(hf, arch=arch, why=refused), None
+        _REFUSED[arch] = refused
+        mark_added(model, (record or {}).get("added_parameters") or [], spec)
+    if check is None:
+        check = {"passed": True, "reference": "none needed: tier a runs transformers' own forward, nothing is "
+                                              "remapped"}
     model.to(torch.device(device) if not isinstance(device, torch.device) else device)
     cfg = RunConfig(model=model.cfg, data=eval_data(record, data, seq_len, model.max_seq_len))
     tok = model_tokenizer(path, record, cfg.data.source, model.cfg.vocab_size)
     described = {"source": spec, **where, "arch": arch, "model_type": config.model_type,
                  "architectures": list(getattr(config, "architectures", None) or []),
                  "weights": [w.name for w in weights], "transformers": _transformers().__version__,
-                 "dtype": "float32", "attn_implementation": "eager", "model": model.describe(),
+                 "dtype": "float32", **EAGER, "model": model.describe(),
                  "tokenizer": "token ids alone (the data is pretokenised; the directory has no tokenizer)"
                  if tok.kind == "ids" else "the model's own",
                  "logits_check": check, "causality_check": causal, "hook_algebra_check": algebra,
                  "config": config.to_dict(),
-                 "exported_from": record, "tier": "b" if fam is not None else "a",
+                 "exported_from": record, "tier": "b" if fam is not None else "a", "tier_b_refused": refused,
                  "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)

@@ -35,9 +35,10 @@ class LogitsLM(Capabilities, nn.Module):
 
     family = "foreign"
 
-    def __init__(self, hf: nn.Module, arch: str):
+    def __init__(self, hf: nn.Module, arch: str, why: str | None = None):
         super().__init__()
         self.hf = hf
+        self.why = why  # why the model type's family adapter refused this config, None without an adapter
         self.blocks = nn.ModuleList()  # no block is mapped: tier a reads nothing inside
         self.fixed: dict[str, str] = {}
         self.adapter = "logits only (tier a)"
@@ -63,8 +64,9 @@ class LogitsLM(Capabilities, nn.Module):
         return self.hf(input_ids=idx, use_cache=False).logits  # (B, T, V)
 
     def inside_blocks(self) -> str | None:
-        return (f"model type {self.model_type!r} is measured through its logits only (tier a: sharpness and "
-                f"forgetting); reading inside its blocks needs a declared adapter (docs/models.md)")
+        because = f" ({self.why})" if self.why else ""
+        return (f"model type {self.model_type!r} is measured through its logits only{because} (tier a: sharpness "
+                f"and forgetting); reading inside its blocks needs a declared adapter (docs/models.md)")
 
     def parameter_aliases(self) -> dict[str, list[str]]:
         """The transformers names (without the ``hf.`` prefix) of each parameter, so globs take either."""

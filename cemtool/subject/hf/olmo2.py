@@ -23,7 +23,11 @@ from cemtool.subject.hf.llama import LlamaLike
 class Olmo2(LlamaLike):
     name = "olmo2"
     model_types = ("olmo2",)
+    routers = ()
     bilinear_qk = False
+    norms = "post-sublayer RMSNorms (no pre-norms); RMSNorms on the full q and k projections"
+    points = {"q, k": "q_norm / k_norm outputs (norms over all heads), before RoPE", "v": "v_proj output",
+              "resid_mid": "the MLP's input", "mlp.out": "MLP output, before its post-norm", "z": "input of o_proj"}
 
     def mid_norm(self, layer):
         return layer.mlp  # its input is the residual stream between attention and MLP

@@ -8,22 +8,28 @@
 
 Hook points: q/k/v are the projections' outputs (before RoPE, the model's own coordinates); z the input of dense.
 The pattern check applies Phi's partial rotary (the first ``rotary_ndims`` coordinates rotated, the rest passed).
-``qk_weights`` is None: rank truncation assumes RoPE planes (p, p + d_h/2) over the whole head. A config with
-``qk_layernorm`` is refused at load by the algebra check (those norms are not declared).
+``qk_weights`` is None: rank truncation assumes RoPE planes (p, p + d_h/2) over the whole head. With
+``qk_layernorm`` the q and k hook points are the outputs of its per-head q/k LayerNorms.
 """
 
 from __future__ import annotations
 
-from cemtool.subject.hf.adapter import Backbone
+from cemtool.subject.hf.adapter import Backbone, Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
 class Phi(LlamaLike):
     name = "phi"
     model_types = ("phi",)
+    routers = ()
     norm, mlp_kind = "layernorm", "gelu"
     kinds = {}
     bilinear_qk = False
+    residual = "parallel"
+    norms = "one pre-LayerNorm for both sublayers"
+    positions = "partial RoPE (the first rotary_ndims coordinates)"
+    points = {"q, k, v": "the projections' outputs, before RoPE (q, k: the q/k norms' outputs with qk_layernorm)",
+              "z": "input of self_attn.dense"}
 
     def backbone(self, hf):
         m = hf.model
@@ -34,3 +40,12 @@ class Phi(LlamaLike):
 
     def mid_norm(self, layer):
         return None  # parallel residual
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        """With qk_layernorm, q and k are the outputs of the per-head norms (B, heads, T, d_h), before RoPE."""
+        a = layer.self_attn
+        q, k, v = super().projections(layer, s)
+        if not a.qk_layernorm:
+            return [q, k, v]
+        return [Projection(a.q_layernorm, "q", q.index, q.heads, layout="bhtd"),
+                Projection(a.k_layernorm, "k", k.index, k.heads, layout="bhtd"), v]

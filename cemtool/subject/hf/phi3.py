@@ -19,7 +19,10 @@ from cemtool.subject.hf.llama import LlamaLike
 class Phi3(LlamaLike):
     name = "phi3"
     model_types = ("phi3",)
+    routers = ()
     kinds = {}
+    points = {"q, k, v": "slices of qkv_proj's output, before RoPE", "resid_mid": "input of post_attention_layernorm",
+              "z": "input of o_proj"}
 
     def projections(self, layer, s: Shape) -> list[Projection]:
         qkv = layer.self_attn.qkv_proj

@@ -6,21 +6,37 @@
 
 Hook points: q/k/v are the projections' outputs (before RoPE, the model's coordinates); resid_mid the input of
 post_attention_layernorm (none with a parallel residual); z the input of o_proj. The pattern check applies the
-partial rotary as the model does. ``qk_weights`` is None (rank truncation assumes whole-head RoPE planes); a config
-with ``qk_layernorm`` is refused at load by the algebra check (those norms are not declared).
+partial rotary as the model does. ``qk_weights`` is None (rank truncation assumes whole-head RoPE planes). With
+``qk_layernorm`` (StableLM-2 12B) the q and k hook points are the outputs of its per-head q/k LayerNorms.
 """
 
 from __future__ import annotations
 
+from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
 class StableLM(LlamaLike):
     name = "stablelm"
     model_types = ("stablelm",)
+    routers = ()
     norm, mlp_kind = "layernorm", "swiglu"
     kinds = {}
     bilinear_qk = False
+    residual = "sequential, or parallel (use_parallel_residual)"
+    norms = "pre-LayerNorm"
+    positions = "partial RoPE (partial_rotary_factor)"
+    points = {"q, k, v": "the projections' outputs, before RoPE (q, k: the q/k norms' outputs with qk_layernorm)",
+              "resid_mid": "input of post_attention_layernorm (sequential residual only)", "z": "input of o_proj"}
 
     def mid_norm(self, layer):
         return None if layer.use_parallel_residual else layer.post_attention_layernorm
+
+    def projections(self, layer, s: Shape) -> list[Projection]:
+        """With qk_layernorm, q and k are the outputs of the per-head norms (B, heads, T, d_h), before RoPE."""
+        a = layer.self_attn
+        q, k, v = super().projections(layer, s)
+        if not a.qk_layernorm:
+            return [q, k, v]
+        return [Projection(a.q_layernorm, "q", q.index, q.heads, layout="bhtd"),
+                Projection(a.k_layernorm, "k", k.index, k.heads, layout="bhtd"), v]
