@@ -5,10 +5,10 @@ Two kinds of evidence, and advice drawn from them:
 1. **Trained model** (:func:`rank_truncation`): for each layer and head, truncate the head's bilinear score form
    to rank r and record the loss increase on a fixed evaluation set; also every head of a layer at once, which
    says which layers tolerate low rank. Plus the attention-logit spread per query position (context length).
-2. **Sweep** (:func:`sweep_grid`, :func:`summarise_sweep`): final loss of small models trained over a grid of head
-   sizes d_h at a fixed budget H d_h, per sequence length T; the marginal gain per doubling of d_h and the head
-   size from which no larger one gains more than a threshold per doubling (the saturation point). The training
-   itself is done by the caller (``cemtool saturation sweep`` uses ``cemtool.train``): analysis never trains.
+2. **Sweep** (:mod:`cemtool.saturation_sweep`, which trains: analysis never does): final loss of small models
+   trained over a grid of head sizes d_h at a fixed budget H d_h, per sequence length T; the marginal gain per
+   doubling of d_h and the head size from which no larger one gains more than a threshold per doubling (the
+   saturation point).
 3. **Advice** (:func:`allocation_advice`): a per-layer (heads, head_dims) schedule at the same budget, written as
    the run's own config with only that allocation changed (:func:`advice_toml`), which ``cemtool train --config``
    accepts.
@@ -440,90 +440,6 @@ def advice_toml(advice: dict, config: dict, source: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the sweep (grid and summary; the caller trains)
-
-
-@dataclass(frozen=True)
-class SweepPoint:
-    seq_len: int
-    head_dim: int
-    heads: int
-    seed: int
-    lr: float | None = None  # a tuning point's learning rate (None: the sweep's --lr, or the tuned one)
-
-    @property
-    def name(self) -> str:
-        return f"T{self.seq_len}-dh{self.head_dim}-s{self.seed}" + ("" if self.lr is None else f"-lr{self.lr:g}")
-
-
-def sweep_grid(head_dims: Sequence[int], seq_lens: Sequence[int], seeds: Sequence[int], budget: int | None,
-               rope: bool = True, heads: int | None = None) -> list[SweepPoint]:
-    """Every (T, d_h, seed): at a fixed budget, H = budget / d_h heads (refusing sizes that do not divide it); at a
-    fixed head count (``heads``), H = heads and the budget H * d_h grows with d_h."""
-    if not head_dims or not seq_lens or not seeds:
-        raise CemtoolError("the sweep needs at least one head size, one sequence length and one seed")
-    if (budget is None) == (heads is None):
-        raise CemtoolError("give the sweep either a budget H*d_h or a fixed head count, not both")
-    if heads is not None and heads < 1:
-        raise CemtoolError(f"the head count must be >= 1, got {heads}")
-    for d in head_dims:
-        if d < 1 or (budget is not None and budget % d):
-            raise CemtoolError(f"head size {d} does not divide the budget H*d_h = {budget}",
-                               hint="choose head sizes that divide --budget")
-        if rope and d % 2:
-            raise CemtoolError(f"head size {d} is odd: RoPE needs even head sizes")
-    for T in seq_lens:
-        if T < 2:
-            raise CemtoolError(f"sequence length {T} is too short (at least 2)")
-    return [SweepPoint(T, d, heads if heads is not None else budget // d, s) for T in sorted(set(seq_lens))
-            for d in sorted(set(head_dims)) for s in sorted(set(seeds))]
-
-
-def choose_lrs(rows: list[dict]) -> dict[tuple[int, int], float]:
-    """(T, d_h) -> the learning rate with the lowest mean final validation loss over the tuning rows of that point
-    (a diverged run, loss None or not finite, counts as infinitely bad)."""
-    by: dict[tuple[int, int], dict[float, list[float]]] = {}
-    for r in rows:
-        loss = r.get("val_loss")
-        bad = loss is None or not math.isfinite(loss)
-        by.setdefault((r["seq_len"], r["head_dim"]), {}).setdefault(r["lr"], []).append(math.inf if bad else loss)
-    return {k: min(v, key=lambda lr: (sum(v[lr]) / len(v[lr]), lr)) for k, v in by.items()}
-
-
-def _gain(a: dict, b: dict) -> float:
-    """Loss gained per doubling of the head size from point a to the larger point b (nats)."""
-    return (a["loss"] - b["loss"]) / math.log2(b["head_dim"] / a["head_dim"])
-
-
-def summarise_sweep(results: list[dict], threshold: float = 0.01) -> list[dict]:
-    """Per sequence length: mean ± se final loss per head size, the gain per doubling of d_h to the next size,
-    and the saturation point: the smallest d_h from which no larger d_h in the grid gains ``threshold`` nats per
-    doubling or more, (L(d) - L(d'))/log2(d'/d) < threshold for every d' > d (None when even the second-largest
-    size is beaten; on a convex, falling curve this is where the next doubling first gains less than the
-    threshold, and a dip after a bump is not mistaken for saturation). ``results``: rows with seq_len,
-    head_dim, seed, val_loss (and val_floor)."""
-    out = []
-    for T in sorted({r["seq_len"] for r in results}):
-        rows = [r for r in results if r["seq_len"] == T and r.get("val_loss") is not None]
-        dims = sorted({r["head_dim"] for r in rows})
-        points = []
-        for d in dims:
-            losses = np.array([r["val_loss"] for r in rows if r["head_dim"] == d], dtype=np.float64)
-            se = float(losses.std(ddof=1) / math.sqrt(len(losses))) if len(losses) > 1 else None
-            floors = [r.get("val_floor") for r in rows if r["head_dim"] == d and r.get("val_floor") is not None]
-            points.append({"head_dim": d, "loss": float(losses.mean()), "se": se, "seeds": int(len(losses)),
-                           "floor": float(np.mean(floors)) if floors else None})
-        for a, b in zip(points, points[1:], strict=False):
-            a["gain_per_doubling"] = _gain(a, b)
-        if points:
-            points[-1]["gain_per_doubling"] = None
-        sat = next((a["head_dim"] for i, a in enumerate(points[:-1])
-                    if all(_gain(a, b) < threshold for b in points[i + 1:])), None)
-        out.append({"seq_len": T, "points": points, "saturation_head_dim": sat, "threshold": threshold})
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------
 # the analysis: Options and measure(subject, options)
 
 
@@ -615,8 +531,8 @@ def measure(subject, options: Options | None = None, progress: Callable[[str, in
                             subject.run.path.name, text)
 
 
-__all__ = ["Options", "SaturationReport", "SweepPoint", "advice_toml", "advised_config", "allocation_advice",
+__all__ = ["Options", "SaturationReport", "advice_toml", "advised_config", "allocation_advice",
            "attention_layers", "data_factors", "default_ranks", "effective_form", "head_projection",
            "logit_spread", "mean_loss", "measure", "rank_truncation", "rope_planes", "rope_projection",
-           "summarise_sweep", "svd_projection", "sweep_grid", "toml_text", "truncated", "truncation_rows",
+           "svd_projection", "toml_text", "truncated", "truncation_rows",
            "weight_factors"]

@@ -14,7 +14,7 @@ from cemtool.errors import UsageError
 
 
 def _num(v) -> str:
-    from cemtool.analysis.compare import fmt_num  # start-up: torch
+    from cemtool.analysis.compare_tables import fmt_num  # start-up: torch
 
     return fmt_num(v)
 
@@ -30,7 +30,9 @@ def print_notes(payload: dict) -> None:
 
 
 def print_compare(payload: dict) -> None:
-    from cemtool.analysis.compare import METRICS, SPREAD, arch_table, layer_table, val_loss_note  # start-up: torch
+    from cemtool.analysis.compare import METRICS  # start-up: torch
+    from cemtool.analysis.compare_tables import arch_table, layer_table, val_loss_note  # start-up: torch
+    from cemtool.report import SPREAD  # start-up: torch
 
     if payload.get("at_tokens") is not None:
         console.result(val_loss_note(payload))
@@ -171,7 +173,7 @@ def compare(
     matched plasticity; main effects of --factor with the architecture as the unit. Reports measured with
     different settings are flagged (--strict: refused), and so are runs of one architecture that share a seed."""
     from cemtool.analysis.compare import compare as compare_runs  # start-up: torch
-    from cemtool.analysis.compare import write_compare  # start-up: torch
+    from cemtool.analysis.compare_tables import write_compare  # start-up: torch
 
     payload = compare_runs(paths, target=target, level=level, at_tokens=at_tokens,
                            names={"sharpness": sharpness, "collapse": collapse}, strict=strict,

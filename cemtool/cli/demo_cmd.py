@@ -8,7 +8,7 @@ is drawn. Each step is a call of the Python function behind the corresponding co
 
     1. train + sharpness + collapse + forgetting   cemtool.sweep.run_sweep          (cemtool sweep)
     2. curvature per layer                         jobs.run_job(RUN, "sharpness", ...)  (sharpness --params layer:N)
-    3. compare                                     analysis.compare.compare / write_compare (cemtool compare)
+    3. compare                                     analysis.compare.compare, compare_tables.write_compare
     4. plot                                        plots.render.render_all            (cemtool plot)
 
 The output folder is a study directory: running the demo again there continues it (finished steps are reused).
@@ -137,7 +137,8 @@ def layers_step(out: Path, manifest: dict, options: dict, device: str, quiet: bo
 
 def compare_step(out: Path) -> dict:
     """``cemtool compare OUT``: the table over architectures, correlations, pairwise differences."""
-    from cemtool.analysis.compare import compare, write_compare  # start-up: torch
+    from cemtool.analysis.compare import compare  # start-up: torch
+    from cemtool.analysis.compare_tables import write_compare  # start-up: torch
 
     payload = compare([out])
     write_compare(payload, out)

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -18,7 +17,6 @@ from typer.core import TyperGroup
 from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
-from cemtool.config import resolve
 from cemtool.errors import CemtoolError, UsageError
 from cemtool.options import as_cli
 
@@ -149,60 +147,24 @@ def analyze(
 # experiment mode
 
 
-def _sweep_config(arch: str, data: str, p, *, d_model: int, n_layer: int, steps: int, lr: float, batch_tokens: int,
-                  train_tokens: int, eval_tokens: int, extra: list[str]):
-
-    overrides = [f"model.n_layer={n_layer}", f"model.d_model={d_model}", f"model.n_head={p.heads}",
-                 f"model.head_dim={p.head_dim}", f"data.seq_len={p.seq_len}",
-                 f"train.batch_size={max(1, batch_tokens // p.seq_len)}", f"train.max_steps={steps}",
-                 f"train.eval_every={steps}", f"train.eval_tokens={eval_tokens}",
-                 f"train.log_every={max(1, steps // 10)}", f"train.warmup_steps={min(30, steps // 10)}",
-                 f"train.lr={lr}", f"data.train_tokens={max(1000, train_tokens)}",
-                 f"data.val_tokens={max(128, 2 * eval_tokens)}", *extra]
-    return resolve(arch=arch, overrides=overrides, seed=p.seed, data_source=data)
-
-
-def _train_points(points, root: Path, arch: str, data: str, sizes: dict, dev, quiet: bool,
-                  lrs: dict | None = None) -> list[dict]:
-    """Train every grid point (a completed one is reused); one row per point. A point's lr: its own (a tuning
-    point), else ``lrs[(T, d_h)]`` (the tuned one), else the sweep's."""
-    from cemtool.runs import open_run  # start-up: torch loads when the sweep runs
-    from cemtool.start import start_or_resume
-
-    steps = sizes["steps"]
-    results: list[dict] = []
-    corpora: dict = {}
-    with console.progress(quiet) as bar:
-        task = bar.add_task("sweep", total=len(points) * steps, status="")
-        for k, p in enumerate(points):
-            run_dir = root / ("tune" if p.lr is not None else "runs") / p.name
-            lr = p.lr if p.lr is not None else (lrs or {}).get((p.seq_len, p.head_dim), sizes["lr"])
-            cfg = _sweep_config(arch, data, p, **{**sizes, "lr": lr})
-            row = {"seq_len": p.seq_len, "head_dim": p.head_dim, "heads": p.heads, "seed": p.seed, "lr": lr,
-                   "run": str(run_dir)}
-
-            def cb(ev: dict, k=k, name=p.name) -> None:
-                if ev["kind"] == "step":
-                    loss = f" loss {ev['loss']:.3f}" if ev.get("loss") is not None else ""
-                    bar.update(task, completed=k * steps + ev["step"], status=f"{name}{loss}")
-
-            st = start_or_resume(cfg, run_dir, device=dev, existing="reuse", corpora=corpora,
-                                 extra_meta={"sweep": str(root)}, callback=cb)
-            if st.how == "reused":
-                meta = st.run.meta()
-                row.update(val_loss=meta.get("val_loss"), val_floor=meta.get("val_floor"), reused=True,
-                           params=meta.get("params", {}).get("total"), seconds=meta.get("train_seconds"))
-                results.append(row)
-                bar.update(task, completed=(k + 1) * steps, status=f"{p.name} (reused)")
-                continue
-            res = st.result
-            if res.status != "completed" and not (p.lr is not None and res.status == "diverged"):
-                raise CemtoolError(f"training {p.name} ended {res.status}", hint="rerun with the same --out to "
-                                   "resume the sweep")
-            row.update(val_loss=res.val_loss, val_floor=res.val_floor, reused=False,
-                       params=open_run(run_dir).meta().get("params", {}).get("total"), seconds=res.seconds)
-            results.append(row)
-    return results
+def _print_sweep(summary: list[dict], spec) -> None:
+    """The sweep's table (loss ± s.e., floor and gain per doubling, per T and d_h) and its saturation points."""
+    body = []
+    for s in summary:
+        for pt in s["points"]:
+            g = pt.get("gain_per_doubling")
+            body.append([s["seq_len"], pt["head_dim"], spec.heads or spec.budget // pt["head_dim"],
+                         f"{pt['loss']:.4f}" + (f" ± {pt['se']:.4f}" if pt["se"] is not None else ""),
+                         "-" if pt["floor"] is None else f"{pt['floor']:.4f}", "-" if g is None else f"{g:+.4f}"])
+    at = f"H = {spec.heads} heads" if spec.heads else f"budget H*d_h = {spec.budget}"
+    console.table(f"final validation loss vs head size at {at} ({spec.data}, {spec.steps} steps, "
+                  f"{len(spec.seeds)} seed(s))", ["T", "d_h", "H", "loss ± s.e.", "floor", "gain/doubling"], body)
+    for s in summary:
+        sat = s["saturation_head_dim"]
+        console.result(f"T = {s['seq_len']}: " + (f"saturates at d_h = {sat} (no larger d_h gains {spec.threshold} "
+                                                  f"nats per doubling)" if sat else
+                                                  f"no saturation within the grid (a larger d_h still gains >= "
+                                                  f"{spec.threshold} nats per doubling)"))
 
 
 @sat_app.command("sweep")
@@ -246,78 +208,39 @@ def sweep(
     """Train over head sizes at a fixed budget H*d_h and over sequence lengths; loss vs d_h per T, the gain per
     doubling of d_h and the saturation point. Completed grid points in --out are reused (resume)."""
     import cemtool.data.synthetic  # noqa: F401  (start-up: registers the ngram source; torch loads when it runs)
-    from cemtool.analysis.saturation import choose_lrs, summarise_sweep, sweep_grid
-    from cemtool.report import provenance, write_report  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.report import write_report  # start-up: loaded when the command runs (docs/performance.md)
+    from cemtool.saturation_sweep import SweepSpec, run_sweep  # start-up: torch
     from cemtool.train import pick_device  # start-up: torch
 
-    if budget is not None and heads is not None:
-        raise UsageError("--budget and --heads: a fixed budget and a fixed head count exclude each other; give one")
-    if budget is None and heads is None:
-        budget = 16
     for name, v in (("--budget", budget), ("--heads", heads), ("--steps", steps), ("--d-model", d_model),
                     ("--n-layer", n_layer), ("--batch-tokens", batch_tokens), ("--eval-tokens", eval_tokens)):
         if v is not None and v < 1:
             raise typer.BadParameter(f"{v} must be >= 1", param_hint=name)
-    lr_list = _floats(lrs, "--lrs") if lrs else None
-    tune_list = _ints(tune_seeds, "--tune-seeds") if lr_list else []
     if not threshold >= 0:
         raise typer.BadParameter(f"{threshold} must be >= 0", param_hint="--threshold")
-    extra = list(set_ or [])
-    dims, lens, seed_list = _ints(head_dims, "--head-dims"), _ints(seq_lens, "--seq-lens"), _ints(seeds, "--seeds")
-    if set(tune_list) & set(seed_list):
-        raise UsageError(f"--tune-seeds {sorted(set(tune_list) & set(seed_list))} are also comparison seeds: the lr "
-                         f"would be chosen on the runs it is judged by")
-    probe_cfg = _sweep_config(arch, data, sweep_grid(dims[:1], lens[:1], seed_list[:1], budget, rope=False,
-                                                     heads=heads)[0],
-                              d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
-                              train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
-    rope = probe_cfg.model.pos == "rope"
-    points = sweep_grid(dims, lens, seed_list, budget, rope=rope, heads=heads)
-    tune_points = [replace(p, lr=x) for p in sweep_grid(dims, lens, tune_list, budget, rope=rope, heads=heads)
-                   for x in lr_list] if lr_list else []
-    dev = pick_device(device)
+    spec = SweepSpec(_ints(head_dims, "--head-dims"), _ints(seq_lens, "--seq-lens"), _ints(seeds, "--seeds"),
+                     budget=budget, heads=heads, steps=steps, d_model=d_model, n_layer=n_layer, lr=lr,
+                     lrs=_floats(lrs, "--lrs") if lrs else None,
+                     tune_seeds=_ints(tune_seeds, "--tune-seeds") if lrs else [], batch_tokens=batch_tokens,
+                     data=data, arch=arch, train_tokens=train_tokens, eval_tokens=eval_tokens, threshold=threshold,
+                     extra=list(set_ or []))
+    points, tune = spec.grids()
     root = out or Path("runs") / f"saturation-sweep-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
     if root.exists() and not root.is_dir():
         raise CemtoolError(f"--out {root} exists and is not a directory")
-    console.info(f"sweep folder: {root} ({len(tune_points)} tuning + {len(points)} models)" if tune_points else
+    console.info(f"sweep folder: {root} ({len(tune)} tuning + {len(points)} models)" if tune else
                  f"sweep folder: {root} ({len(points)} models)", quiet)
-    options = {"head_dims": dims, "budget": budget, "heads": heads, "seq_lens": lens, "seeds": seed_list,
-               "steps": steps, "d_model": d_model, "n_layer": n_layer, "lr": lr, "lrs": lr_list,
-               "tune_seeds": tune_list, "batch_tokens": batch_tokens, "data": data, "arch": arch,
-               "train_tokens": train_tokens, "eval_tokens": eval_tokens, "set": extra}
-    sizes = dict(d_model=d_model, n_layer=n_layer, steps=steps, lr=lr, batch_tokens=batch_tokens,
-                 train_tokens=train_tokens, eval_tokens=eval_tokens, extra=extra)
-    tuning = _train_points(tune_points, root, arch, data, sizes, dev, quiet) if tune_points else []
-    chosen = choose_lrs(tuning) if tuning else None
-    results = _train_points(points, root, arch, data, sizes, dev, quiet, lrs=chosen)
-    summary = summarise_sweep(results, threshold)
-    payload = {"provenance": provenance(root, command="saturation sweep", options=options),
-               "task": data, "budget": budget, "heads": heads, "steps": steps, "seeds": seed_list,
-               "threshold": threshold, "results": results, "summary": summary,
-               "tuning": {"rows": tuning, "chosen": [{"seq_len": t, "head_dim": d, "lr": x}
-                                                     for (t, d), x in sorted(chosen.items())]} if chosen else None}
-    paths = write_report(root / "reports", "saturation_sweep", payload, results)
+    with console.progress(quiet) as bar:
+        task = bar.add_task("sweep", total=(len(points) + len(tune)) * steps, status="")
+        payload = run_sweep(spec, root, pick_device(device),
+                            progress=lambda done, total, status: bar.update(task, completed=done, status=status))
+    paths = write_report(root / "reports", "saturation_sweep", payload, payload["results"])
     if not no_plots:
         from cemtool.plots.saturation import plot_sweep  # start-up: matplotlib
 
         plot_sweep(payload, root / "plots")
     if json_:
-        console.print_json(summary)
+        console.print_json(payload["summary"])
         return
-    body = []
-    for s in summary:
-        for pt in s["points"]:
-            g = pt.get("gain_per_doubling")
-            body.append([s["seq_len"], pt["head_dim"], heads or budget // pt["head_dim"],
-                         f"{pt['loss']:.4f}" + (f" ± {pt['se']:.4f}" if pt["se"] is not None else ""),
-                         "-" if pt["floor"] is None else f"{pt['floor']:.4f}", "-" if g is None else f"{g:+.4f}"])
-    at = f"H = {heads} heads" if heads else f"budget H*d_h = {budget}"
-    console.table(f"final validation loss vs head size at {at} ({data}, {steps} steps, "
-                  f"{len(seed_list)} seed(s))", ["T", "d_h", "H", "loss ± s.e.", "floor", "gain/doubling"], body)
-    for s in summary:
-        sat = s["saturation_head_dim"]
-        console.result(f"T = {s['seq_len']}: " + (f"saturates at d_h = {sat} (no larger d_h gains {threshold} nats "
-                                                  f"per doubling)" if sat else
-                                                  f"no saturation within the grid (a larger d_h still gains >= "
-                                                  f"{threshold} nats per doubling)"))
+    _print_sweep(payload["summary"], spec)
     console.result(f"wrote {paths['json']} (+ .csv)")

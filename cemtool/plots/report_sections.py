@@ -318,7 +318,8 @@ def compare_section(report: dict) -> str:
     """The comparison table (mean ± std over seeds), Spearman correlations, pairwise Welch intervals and the
     comparison's notes (duplicate seeds, probes at their ceiling, |λ_min| > λ_max, settings that differ)."""
     # start-up: analysis.compare loads torch (~0.9 s); only a comparison's section needs it
-    from cemtool.analysis.compare import METRICS, arch_table, layer_table
+    from cemtool.analysis.compare import METRICS
+    from cemtool.analysis.compare_tables import arch_table, layer_table  # start-up: as above
 
     cols, rows = arch_table(report, transpose=True)
     out = [f"{len(report['runs'])} runs; {SPREAD}"

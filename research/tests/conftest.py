@@ -2,7 +2,10 @@
 pyproject's pytest `pythonpath`), imported as `from kit import ...`; its fixtures are this folder's too.
 
 The tiny GPU study that test_study_gpu.py's slow tests share (research/tests/tiny_study.py) starts in the
-background once collection is done, when a selected test needs it, and runs beside the tests before it."""
+background once collection is done, when a selected test needs it, and runs beside the tests before it (under
+pytest-xdist: at the first of them, on the one worker that runs them all)."""
+
+import os
 
 import pytest
 from tiny_study import TinyStudy
@@ -13,6 +16,8 @@ TINY_STUDY = pytest.StashKey[TinyStudy]()
 
 
 def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist every worker collects every test: the one that
+        return  # runs the tiny study's group (test_study_gpu.py: xdist_group) starts it at its first test
     if any(item.path.name == "test_study_gpu.py" and "tiny" in getattr(item, "fixturenames", ())
            for item in session.items) and not session.config.option.collectonly:
         session.config.stash[TINY_STUDY] = TinyStudy().start()

@@ -480,7 +480,7 @@ def test_collapse_reports_with_different_options_are_flagged(tmp_path, no_comput
 
 def test_tables_of_a_compare_json_written_before_bits_per_byte(tmp_path, no_compute):
     """A compare.json from an older cemtool has no val_bpb/val_ppl: its tables (and so `cemtool plot`) still work."""
-    from cemtool.analysis.compare import arch_table, flat_arch_rows
+    from cemtool.analysis.compare_tables import arch_table, flat_arch_rows
 
     d = fake_run(tmp_path, "r0", "baseline", 0, 5.0)
     (d / "reports" / "sharpness.json").write_text(json.dumps(sharpness_report(1024, 1.0)))

@@ -20,9 +20,7 @@ from cemtool.analysis.saturation import (
     mean_loss,
     rank_truncation,
     rope_projection,
-    summarise_sweep,
     svd_projection,
-    sweep_grid,
     truncated,
     weight_factors,
 )
@@ -32,6 +30,7 @@ from cemtool.data.corpus import load_corpus, windows
 from cemtool.errors import CemtoolError
 from cemtool.models.allocation import layer_shapes
 from cemtool.models.layers import apply_rope, rope_tables
+from cemtool.saturation_sweep import summarise_sweep, sweep_grid
 
 from kit import tiny_model, tiny_tokens
 
@@ -342,7 +341,7 @@ def test_without_positions_the_last_output_ignores_the_order_before_it(pos):
 
 
 def test_sweep_at_a_fixed_head_count_with_the_lr_tuned_per_point(tmp_path):
-    from cemtool.analysis.saturation import choose_lrs
+    from cemtool.saturation_sweep import choose_lrs
 
     out = tmp_path / "sweep"
     args = ["saturation", "sweep", "--head-dims", "4,8", "--heads", "2", "--seq-lens", "8", "--seeds", "0",
