@@ -318,7 +318,7 @@ def _reduce_ranks(acc: dict[int, _Layer], routed: dict[str, list]) -> None:
 def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: float = 0.5,
                     classes: ProbeClasses | None = None, folds: int = 5, per_class: int = 256,
                     batch_size: int = 16, seed: int = 0, weight_decay: float = 1e-3, probe_iters: int = 200,
-                    device: str | torch.device = "cpu",
+                    lag: int = 0, device: str | torch.device = "cpu",
                     progress: Callable[[str, int, int], None] | None = None) -> dict:
     """All collapse measures of ``model`` on evaluation inputs (n, T) (token ids), keyed by layer and head.
 
@@ -348,7 +348,9 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
     if classes is not None and not classes.skipped and per_class < classes.min_count:
         raise CemtoolError(f"per_class={per_class} is below the probe's minimum of {classes.min_count} samples per "
                            f"class")
-    sample = ProbeSample(classes, V, per_class) if classes is not None and not classes.skipped else None
+    if not 0 <= lag < inputs.shape[1]:
+        raise CemtoolError(f"probe lag {lag}: must be >= 0 and shorter than the windows ({inputs.shape[1]} tokens)")
+    sample = ProbeSample(classes, V, per_class, lag) if classes is not None and not classes.skipped else None
     mine = shard(len(inputs))  # under torchrun: this rank's contiguous share of the sequences
     local = inputs[mine.start:mine.stop]
     n_batches = math.ceil(len(local) / batch_size)
@@ -473,7 +475,7 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
         layers.append(entry)
     return {"measure": "collapse", "alpha": alpha, "sequences": n_seq, "seq_len": T, "tokens": n_seq * T,
             "probe_classes": None if classes is None else {**classes.report(), "per_class": m, "folds": folds,
-                                                           "weight_decay": weight_decay},
+                                                           "weight_decay": weight_decay, "lag": lag},
             "layers": layers}
 
 
@@ -483,7 +485,7 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
 class Options:
     """What ``cemtool collapse-report`` measures with: evaluation tokens (whole windows of ``seq_len``, default the
     run's), windows per forward pass, the Rényi order, and the probe (words, or the k most frequent whole words;
-    folds, samples per class, the fewest whole-word samples per class, the fold seed)."""
+    folds, samples per class, the fewest whole-word samples per class, the fold seed, and its target's lag)."""
 
     tokens: int = 16384
     seq_len: int | None = None
@@ -495,13 +497,14 @@ class Options:
     per_class: int = 256
     min_per_class: int = MIN_PER_CLASS
     seed: int = 0
+    lag: int = 0  # the probe's target: the word lag positions back (0: the input token; 1: a context probe)
 
     def __post_init__(self):
         check_types(self, "collapse")
         if not self.alpha > 0:
             raise CemtoolError(f"collapse.alpha={self.alpha}: not a valid Rényi order (must be > 0)")
         at_least(self, "collapse", tokens=1, batch_size=1, folds=2, per_class=2, k=2, min_per_class=2, seed=0,
-                 seq_len=2)
+                 seq_len=2, lag=0)
         if self.per_class < self.min_per_class:
             raise CemtoolError(f"collapse.per_class={self.per_class}: below min_per_class {self.min_per_class}")
         if self.words is not None and not any(w.strip() for w in self.words):
@@ -554,7 +557,7 @@ def measure(subject, options: Options | None = None, progress: Callable[[str, in
     classes = probe_classes(subject.tokenizer, x.numpy(), words, o.k, cfg.model.vocab_size,
                             min_count=o.min_per_class)
     report = collapse_report(subject.model, x, alpha=o.alpha, classes=classes, folds=o.folds,
-                             per_class=o.per_class, batch_size=o.batch_size, seed=o.seed,
+                             per_class=o.per_class, batch_size=o.batch_size, seed=o.seed, lag=o.lag,
                              device=subject.device, progress=progress)
     mean_mix = {e["layer"]: e["routing_mean"] for e in report["layers"] if "routing_mean" in e}
     run = {"label": subject.label, "run": str(subject.run.path), "arch": cfg.model.arch,

@@ -210,18 +210,23 @@ def probe_accuracy(X: torch.Tensor, y: torch.Tensor, k: int | None = None, *, fo
 
 
 class ProbeSample:
-    """A bounded, balanced sample of (features, label) at positions whose input token is one of the classes."""
+    """A bounded, balanced sample of (features, label) at positions whose input token (or, with ``lag``, the token
+    ``lag`` positions earlier) is one of the classes."""
 
-    def __init__(self, classes: ProbeClasses, vocab_size: int, per_class: int):
-        self.classes, self.vocab_size = classes, vocab_size
+    def __init__(self, classes: ProbeClasses, vocab_size: int, per_class: int, lag: int = 0):
+        self.classes, self.vocab_size, self.lag = classes, vocab_size, lag
         self.k, self.per_class = len(classes.names), per_class
         self.counts = [0] * self.k
         self.labels: list[torch.Tensor] = []
         self.features: dict[str, list[torch.Tensor]] = {}
 
     def select(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(batch, position) indices to keep from inputs idx (B, T), and their labels."""
+        """(batch, position) indices to keep from inputs idx (B, T), and their labels: the class of the token at
+        the position (``lag`` 0), or of the token ``lag`` positions before it (a context probe: the features at t
+        asked which word was at t - lag; the first ``lag`` positions have none)."""
         lab = self.classes.whole_words(idx, self.vocab_size)  # (B, T)
+        if self.lag:
+            lab = torch.cat([torch.full_like(lab[:, :self.lag], -1), lab[:, :-self.lag]], dim=1)  # (B, T)
         keep_b, keep_t, keep_y = [], [], []
         for c in range(self.k):
             room = self.per_class - self.counts[c]

@@ -111,6 +111,9 @@ def collapse_report_cmd(
                                                "skipped with a note (default words: the most frequent whole "
                                                "words instead)")] = 16,  # collapse.MIN_PER_CLASS
     seed: Annotated[int, typer.Option(help="seed of the probe's fold split")] = 0,
+    lag: Annotated[int, typer.Option(help="the probe's target: the word this many positions back (0: the input "
+                                     "token itself; 1: a context probe, which an untrained model does not pass)")]
+    = 0,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="folder of the comparison report (several "
                                                 "runs); default the first run's reports/ and plots/")] = None,
     name: Annotated[str, typer.Option(help="report name: reports/<name>.json (several runs: also "
@@ -134,7 +137,8 @@ def collapse_report_cmd(
                                  "default words", param_hint="--words")
     word_list = [w.strip() for w in words.split(",")] if words is not None else None  # an empty word is refused
     opts = _options(Options, "collapse", tokens=tokens, seq_len=seq_len, batch_size=batch_size, alpha=alpha,
-                    words=word_list, k=k, folds=folds, per_class=per_class, min_per_class=min_per_class, seed=seed)
+                    words=word_list, k=k, folds=folds, per_class=per_class, min_per_class=min_per_class, seed=seed,
+                    lag=lag)
     taken: set[str] = set()
     labels = [_label(p, taken) for p in runs]
     results = []

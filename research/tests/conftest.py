@@ -23,6 +23,13 @@ def pytest_collection_finish(session):
         session.config.stash[TINY_STUDY] = TinyStudy().start()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Under pytest-xdist, the tiny study's group first (every worker sorts alike): the worker that takes it runs
+    the study while the others run the rest of the suite."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda it: 0 if any(m.args == ("tiny_study",) for m in it.iter_markers("xdist_group")) else 1)
+
+
 def pytest_sessionfinish(session):
     study = session.config.stash.get(TINY_STUDY, None)
     if study is not None:

@@ -14,6 +14,7 @@ from cemtool.cli.main import app
 from cemtool.config import resolve
 from cemtool.errors import CemtoolError
 from cemtool.models.registry import build_model
+from cemtool.subject import open_subject
 from cemtool.subject.hf.export import pick_target, refusals
 
 from kit import train_tiny
@@ -169,6 +170,7 @@ def test_other_families_and_bad_targets_are_refused(tmp_path, tied_run, text_fil
 
 def test_analysing_an_exported_model_refuses_bad_token_files(tmp_path, exported):
     out = exported[0]
+    open_subject(out)  # loading writes model_source.json (what was loaded), as an earlier analysis of it does
     before = sorted(p.relative_to(out) for p in out.rglob("*"))
     (tmp_path / "odd.bin").write_bytes(b"\x01\x00\x02\x00\x03")
     np.array([1, 2, 3, 255, 300] * 40, dtype=np.uint16).tofile(tmp_path / "oov.bin")  # byte tokenizer: 256 ids

@@ -319,11 +319,12 @@ def test_absurd_model_refused_with_estimate_before_allocating(tmp_path, tiny_run
 
 
 def test_parameter_count_estimates_match_every_architecture():
-    """count_params (built on the meta device) is exact and rough_params an upper bound, for every family."""
-    from cemtool.models.registry import archs, build_model
+    """count_params (built on the meta device) is exact and rough_params an upper bound, for every family (not the
+    transformers architectures other tests registered: those are sized from their weights' headers at load)."""
+    from cemtool.models.registry import archs, build_model, get_arch
     from cemtool.train import count_params, rough_params
 
-    for name in archs():
+    for name in [a for a in archs() if get_arch(a).family != "foreign"]:
         m = tiny_config(name, d_model=32, vocab=300, seq_len=32)
         model = build_model(m)
         exact = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())

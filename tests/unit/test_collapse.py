@@ -338,3 +338,30 @@ def test_probe_classes_on_a_sentencepiece_style_tokenizer():
     truth = [sum(len(re.findall(rf"(?:^|(?<= )){w}(?=[^A-Za-z0-9])", tok.decode(row.tolist()))) for row in x)
              for w in ("is", "are")]
     assert c.counts == truth and min(truth) > 50 and c.counts[0] < int((x == c.ids[0][0]).sum())
+
+
+def test_a_lagged_probe_asks_for_the_earlier_token_and_layer_0_values_cannot_answer_it():
+    """``lag`` 1: the label at position t is the class of the token at t - 1 (none at t = 0). On i.i.d. tokens an
+    untrained model's layer-0 values, a function of the token at t alone, read the current token perfectly
+    (lag 0) and the previous one at chance (lag 1), while a later layer's hidden state, which attention mixes,
+    reads it above chance."""
+    from cemtool.analysis.probe import ProbeSample
+
+    classes = ProbeClasses(["a", "b", "c", "d"], [[1], [2], [3], [4]], "words")
+    idx = torch.tensor([[1, 2, 3, 4, 9, 1], [4, 4, 9, 2, 1, 3]])
+    s = ProbeSample(classes, 40, per_class=100, lag=1)
+    b, t = s.select(idx)
+    got = sorted(zip(b.tolist(), t.tolist(), s.labels[0].tolist()))
+    want = sorted((i, j, int(idx[i, j - 1]) - 1) for i in range(2) for j in range(1, 6) if 1 <= idx[i, j - 1] <= 4)
+    assert got == want
+    model = tiny(T=32)
+    x = torch.randint(1, 5, (64, 32), generator=torch.Generator().manual_seed(4))  # i.i.d. over the 4 classes
+    now = collapse_report(model, x, classes=classes, folds=4, per_class=300, lag=0)
+    before = collapse_report(model, x, classes=classes, folds=4, per_class=300, lag=1)
+    assert now["layers"][0]["probe"]["values"]["accuracy"] > 0.99
+    v0 = before["layers"][0]["probe"]["values"]
+    assert abs(v0["accuracy"] - 0.25) < 0.08, v0  # chance: nothing of token t - 1 is in layer 0's values
+    assert before["layers"][0]["probe"]["hidden"]["accuracy"] > 0.33  # 0.42 here: attention brought some of it
+    assert before["probe_classes"]["lag"] == 1 and now["probe_classes"]["lag"] == 0
+    with pytest.raises(CemtoolError, match="lag"):
+        collapse_report(model, x, classes=classes, lag=32)
