@@ -224,7 +224,8 @@ stdlib() {
                  -A sharpness.landscape=none)
   # collapse: the default probe. A 64-word probe is no harder: on an untrained lime model (one step at lr 0) it
   # reads 1.00 in every layer, since a token's identity is linearly decodable from its value vector by
-  # construction; a probe the baseline does not saturate needs another target (not built yet)
+  # construction; the context probe the baseline does not saturate (collapse-report --lag 1) is run on the
+  # finished comparison runs as a second report (--name collapse-lag1), so the first stays comparable
   COLLAPSE_ARGS=()
   local l1= l2=
   lane 1 && (
