@@ -282,8 +282,9 @@ def collect(paths: list[str | Path], target: str | None = None, at_tokens: int |
                      f"{' ...' if len(no_bpb) > 6 else ''}): trained before cemtool recorded bytes per token")
     for kind in NAMED:
         others = sorted({n for r in records for n in r["other_reports"][kind]})
-        if others:
-            close = did_you_mean(names[kind], others)
+        if others:  # a suggestion only where some run lacks the report read
+            close = did_you_mean(names[kind], others) if any(r["reports"].get(kind) is None for r in records) \
+                else None
             notes.append(f"{kind} reports not compared: {', '.join(others)} (compare reads '{names[kind]}'"
                          f"{': ' + close if close else ''}; choose another with --{kind} NAME)")
     return records, notes

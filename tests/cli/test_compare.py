@@ -454,6 +454,8 @@ def test_named_reports_and_mismatched_settings(tmp_path, no_compute):
         compare([tmp_path], strict=True)
     named = compare([tmp_path], names={"sharpness": "sharp-4k"}, strict=True)
     assert [r["lambda_max"] for r in named["runs"]] == [10.0, 11.0, 12.0] and named["mismatch"] == {}
+    other = [n for n in named["notes"] if n.startswith("sharpness reports not compared")]
+    assert other and "did you mean" not in other[0]  # every run has the report read: nothing to suggest
     assert named["reports"]["sharpness"] == "sharp-4k"
     assert all(r["settings"]["sharpness"]["tokens"] == 4096 for r in named["runs"])
     res = runner.invoke(app(), ["compare", str(tmp_path), "--sharpness", "sharp-4k", "-q", "--out",
