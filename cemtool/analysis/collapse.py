@@ -407,11 +407,12 @@ def collapse_report(model: torch.nn.Module, inputs: torch.Tensor, *, alpha: floa
                     X = _values_concat(X) if kind == "values" else X
                     Z = a.moments[kind].zscore(X)  # (B, T, D)
                     a.stat(f"{kind}.entropy").update(matrix_entropy(Z, alpha))
-                    if kind == "values":
-                        dh = Z.shape[-1] // a.heads
+                    if kind == "values":  # every head's Gram spectrum in one batched call
+                        B, T, D = Z.shape
+                        heads = Z.view(B, T, a.heads, D // a.heads).transpose(1, 2)  # (B, H, T, d_h)
+                        per_head = matrix_entropy(heads, alpha)  # (B, H)
                         for h in range(a.heads):
-                            a.stat(f"values.entropy.head{h}").update(matrix_entropy(Z[..., h * dh:(h + 1) * dh],
-                                                                                    alpha))
+                            a.stat(f"values.entropy.head{h}").update(per_head[:, h])
             if progress:
                 progress("pass 2", bi + 1, n_batches)
     _reduce_ranks(acc, routed)

@@ -365,3 +365,23 @@ def test_a_lagged_probe_asks_for_the_earlier_token_and_layer_0_values_cannot_ans
     assert before["probe_classes"]["lag"] == 1 and now["probe_classes"]["lag"] == 0
     with pytest.raises(CemtoolError, match="lag"):
         collapse_report(model, x, classes=classes, lag=32)
+
+
+def test_every_heads_value_entropy_equals_the_one_head_computation():
+    """The per-head entropies (one batched spectrum call over the heads) against each head's values z-scored with
+    the all-token moments and measured on their own, sequence by sequence."""
+    model = tiny(T=12)
+    x = torch.randint(0, 40, (6, 12), generator=torch.Generator().manual_seed(7))
+    rep = collapse_report(model, x, classes=None, batch_size=4)
+    with torch.no_grad(), capture(model, "blocks.1.attn.v") as cache:
+        model(x)
+    v = cache["blocks.1.attn.v"].double()  # (B, H, T, d_h)
+    X = v.permute(0, 2, 1, 3).reshape(6, 12, -1)  # (B, T, H d_h)
+    flat = X.reshape(-1, X.shape[-1])
+    Z = (X - flat.mean(0)) / flat.std(0, unbiased=False)
+    dh = v.shape[-1]
+    got = rep["layers"][1]["values"]["entropy_per_head"]
+    assert len(got) == v.shape[1] >= 2
+    for h, g in enumerate(got):
+        want = torch.stack([matrix_entropy(Z[b, :, h * dh:(h + 1) * dh], 0.5) for b in range(6)])  # (B,)
+        assert g["mean"] == pytest.approx(float(want.mean()), rel=1e-10) and g["n"] == 6
