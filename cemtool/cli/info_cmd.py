@@ -12,6 +12,7 @@ from cemtool.cli import console
 from cemtool.cli.app import app
 from cemtool.cli.common import guarded
 from cemtool.config import describe_fields, resolve, to_dict
+from cemtool.errors import UsageError
 
 
 @app.command()
@@ -19,9 +20,6 @@ from cemtool.config import describe_fields, resolve, to_dict
 def runs(
     root: Annotated[Path, typer.Argument(help="a run, or a folder searched for runs")] = Path("runs"),
     json_: Annotated[bool, typer.Option("--json", help="print JSON")] = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="with --hf: print docs/models.md's table of the "
-                                                              "tier-b families, generated from their declarations")
-                        ] = False,
 ) -> None:
     """List runs with what made them (kind: train, fine-tune), their data, status, steps and last validation loss
     (on the run's own data: a fine-tune's is on its target data). A run marked running whose process is gone
@@ -75,6 +73,8 @@ def archs(
     With --sizes (or --set/--vocab/--seq-len/--time), build each one and add parameters and FLOPs per token.
     With --match-params/--match-flops, print the width at which --match-arch matches the reference instead."""
     vocab_, seq_len_ = vocab or 512, seq_len or 64
+    if markdown and not hf:
+        raise UsageError("--markdown prints the Hugging Face families' table: give it with --hf")
     if hf:
         from cemtool.subject.hf.catalog import hf_families  # start-up: transformers
 

@@ -45,6 +45,11 @@ FAMILIES = {  # model type -> its tiny sizes (what the block has that Llama's do
     "stablelm": dict(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                      intermediate_size=4, partial_rotary_factor=0.5),  # LayerNorm, partial rotary
     "gpt_bigcode": dict(n_embd=4, n_layer=1, n_head=2, n_inner=4, n_positions=16, multi_query=True),  # MQA, learned
+    "gemma3_text": dict(ATTN, query_pre_attn_scalar=2, sliding_window=4),  # sandwich, q/k norms, a binding window
+    "smollm3": dict(ATTN, num_hidden_layers=2, no_rope_layer_interval=2),  # a RoPE layer and a NoPE layer
+    "falcon": dict(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, ffn_hidden_size=4),  # parallel, MQA
+    "bloom": dict(hidden_size=4, n_layer=1, n_head=2),  # ALiBi, residual added inside the sublayers
+    "opt": dict(hidden_size=4, num_hidden_layers=1, num_attention_heads=2, ffn_dim=4, word_embed_proj_dim=4),
 }
 TOKENS = 32  # 2 windows of 16 tokens
 MAX_PARAMS = 1500  # the dense Hessian by autograd stays a fraction of a second

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,7 +75,7 @@ def test_each_familys_declarations_describe_its_mapping(model_type):
     rotary = any(b.attn.rotary for b in model.blocks)
     if "RoPE" not in fam.positions:
         assert not rotary
-    elif "or" not in fam.positions.replace("none in", ""):
+    elif not re.search(r"\bor\b", fam.positions):  # "RoPE, or ALiBi": a config option chooses
         assert rotary
     assert (model.pos_emb is not None) == (fam.positions == "learned")
     assert any(b.moe is not None for b in model.blocks) == (model_type in fam.routers)
@@ -271,8 +272,10 @@ def test_sharpness_parameter_selection_over_experts_and_routers():
     assert one and all(n.startswith("blocks.1.") for n in one) and one < experts
     routers = {n for n, _ in select_parameters(model, "mlp.gate.weight")}
     assert routers == {"blocks.0.layer.mlp.gate.weight", "blocks.1.layer.mlp.gate.weight"}
-    with pytest.raises(Exception, match="matches no parameter"):
-        select_parameters(foreign("llama"), "experts")
+    for typo in ("weight", "layer.*", "0.*", "experts"):  # no suffix of a bare word, the wrapper or a number
+        with pytest.raises(Exception, match="matches no parameter"):
+            select_parameters(foreign("llama"), typo)
+    assert len(select_parameters(foreign("llama"), "q_proj.weight")) == 2  # a module's own name: one per layer
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -350,7 +353,8 @@ def test_a_config_that_breaks_the_algebra_loads_in_tier_a_with_the_reason(tmp_pa
     s = open_subject(d, data=str(text))
     assert isinstance(s.model, LogitsLM) and "resid_mid" in s.model.inside_blocks()
     src = json.loads((Path(d) / "model_source.json").read_text())
-    assert src["tier"] == "a" and "algebra" in src["tier_b_refused"] and not src["hook_algebra_check"]["passed"]
+    assert src["tier"] == "a" and "algebra" in src["tier_b_refused"] and src["logits_check"]["passed"]
+    assert not src["tier_b_checks"]["hook_algebra_check"]["passed"] and src["hook_algebra_check"] is None
     res = invoke("sharpness", d, "--data", text, "--tokens", 64, "--top-k", 1, "--bottom-k", 0, "--lanczos-steps", 2,
                  "--trace-hvps", 0, "--density-runs", 0, "--landscape", "none", "--no-plots", "-q")
     assert res.exit_code == 0, res.output

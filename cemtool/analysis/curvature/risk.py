@@ -55,10 +55,18 @@ def _has_word(name: str, words: set[str]) -> bool:
     return any(w in words for part in name.split(".") for w in part.split("_"))
 
 
-def _glob(name: str, pattern: str) -> bool:
-    """``pattern`` matches the whole dotted name or its trailing components (``experts.*`` matches
-    ``blocks.0.layer.mlp.experts.down_proj``)."""
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name, "*." + pattern)
+GENERIC = {"blocks", "layer", "hf", "model", "transformer", "weight", "bias"}  # no module a suffix may start at
+
+
+def _glob(name: str, pattern: str, modules: set[str]) -> bool:
+    """``pattern`` matches the whole dotted name, or its trailing components when the pattern starts at a module's
+    own name (``experts.*`` matches ``blocks.0.layer.mlp.experts.down_proj``, ``mlp.gate.weight`` the routers);
+    a bare word (``weight``), a layer number (``0.*``) or the adapter's wrapper (``layer.*``) matches no suffix, so
+    that a typo is refused rather than taken for most of the model."""
+    if fnmatch.fnmatchcase(name, pattern):
+        return True
+    first = pattern.split(".", 1)[0]
+    return "." in pattern and first in modules and fnmatch.fnmatchcase(name, "*." + pattern)
 
 
 def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn.Parameter]]:
@@ -94,7 +102,8 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
         elif part == "experts":
             hit = {n for n, _ in named if "experts" in n.split(".")[:-1]}
         else:
-            hit = {n for n, _ in named if any(_glob(name, part) for name in (n, *aliases.get(n, ())))}
+            modules = {c for n, _ in named for c in n.split(".")[:-1] if not c.isdigit()} - GENERIC
+            hit = {n for n, _ in named if any(_glob(name, part, modules) for name in (n, *aliases.get(n, ())))}
         if not hit:
             example = named[min(1, len(named) - 1)][0] if named else "?"
             raise CemtoolError(f"parameter selection {part!r} matches no parameter of the model",

@@ -444,6 +444,8 @@ class ForeignLM(Capabilities, nn.Module):
                                norm=norm, mlp=mlp,
                                attn_impl="explicit",  # eager attention: probabilities and double backward
                                mlp_hidden=int(getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
+                                              or getattr(c, "ffn_dim", None)  # OPT
+                                              or getattr(c, "ffn_hidden_size", None)  # Falcon
                                               or 4 * c.hidden_size),
                                tie_embeddings=parts.head.weight is parts.tok_emb.weight)
 

@@ -525,10 +525,14 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     elif algebra is not None and not algebra["passed"]:  # a structure the family does not declare
         broken = ", ".join(f"{k} off by {algebra[k]:.3g}" for k in ALGEBRA_KEYS if algebra[k] > algebra["tolerance"])
         refused = f"the {fam.name} adapter's hook points break the block's algebra ({broken})"
+    failed = None  # the adapter's checks, where they refused its mapping
     if fam is not None and refused is not None:  # tier a: transformers' own forward, nothing remapped
         model, fam = LogitsLM(hf, arch=arch, why=refused), None
         _REFUSED[arch] = refused
+        failed, check, algebra = {"logits_check": check, "hook_algebra_check": algebra}, None, None
         mark_added(model, (record or {}).get("added_parameters") or [], spec)
+    elif fam is not None:
+        _REFUSED.pop(arch, None)  # this model's mapping passed: a fine-tune of it rebuilds in tier b
     if check is None:
         check = {"passed": True, "reference": "none needed: tier a runs transformers' own forward, nothing is "
                                               "remapped"}
@@ -544,6 +548,7 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
                  "logits_check": check, "causality_check": causal, "hook_algebra_check": algebra,
                  "config": config.to_dict(),
                  "exported_from": record, "tier": "b" if fam is not None else "a", "tier_b_refused": refused,
+                 "tier_b_checks": failed,
                  "data": to_dict(cfg.data)}  # the evaluation data (--data): every report's provenance names it
     run = Run(home)
     atomic_write_json(run.path / SOURCE_FILE, described)
