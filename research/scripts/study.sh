@@ -255,9 +255,24 @@ stdlib() {
     for a in cem cem-rec2 cem-precond cem-dplr cem-full; do
       group "$o" "$a" "$a" "" $S "$grid"
     done
+    # claim 9's control trained 10x longer: at 300 steps no model came near the 4-gram floor (findings.md)
+    sat_sweep "$o/saturation-rope-heads-long" --head-dims 2,4,8,16,32 --seq-lens 16,64,256 --seeds 0,1,2,3,4 \
+      --steps 3000 --data ngram4 --lrs 3e-3,1e-2,3e-2 --tune-seeds 100,101 --heads 4
   ) &
   lane 2 && l2=$!
   wait $l1 $l2
+  context_probe "$o"
+}
+
+context_probe() {  # context_probe PARTDIR: the lag-1 probe (collapse-report --lag 1) of every comparison run, as a
+  # second collapse report (--name collapse-lag1) beside the first; 3 s a run, rerun in full each time
+  local o=$1 run
+  if [ ${#DRY[@]} -gt 0 ]; then echo "== context probe (collapse-report --lag 1) of every comparison run"; return 0; fi
+  for run in "$o"/*/*-s[0-9]; do
+    [ -f "$run/meta.json" ] || continue
+    $CEMTOOL collapse-report "$run" --lag 1 --name collapse-lag1 --no-plots --quiet > /dev/null 2>> "$o/context-probe.log" \
+      || echo "context probe failed: $run" >> "$o/context-probe.log"
+  done
 }
 
 # claim 9's controls, on the allocation paper's own 4-gram task (data source ngram4), 5 seeds, the lr tuned per
