@@ -269,7 +269,7 @@ def reissue(p, F, root, part: str) -> list[dict]:
                            difference("full − cem", p.values("val_loss", "cem-full"), cem)]))
     if want("claim4"):
         field = _means(p, "val_loss", [van, *mom])
-        if "tmm" in field:
+        if "tmm" in field and not F.paper_set_missing(p, "val_loss"):  # the paper's whole set, finished
             best = min((a for a in field if a != "tmm"), key=field.get)
             rank = sorted(field, key=field.get).index("tmm") + 1
             t4 = [difference(f"tmm − {best} (the lowest other)", p.values("val_loss", "tmm"),

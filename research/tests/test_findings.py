@@ -265,17 +265,24 @@ def test_claim8_waits_for_the_momentum_models():
         groups = {("core", "baseline"): [run("baseline", s, 1e-3 + s * 1e-4, 0.3 + s * 0.01) for s in range(3)],
                   ("core", "lime"): [run("lime", s, 2e-3 + s * 1e-4, 0.2 + s * 0.01) for s in range(3)]}
 
+        def values(self, metric, arch):
+            return [r[metric] for (_, a), rs in self.groups.items() if a == arch for r in rs]
+
     assert F.claim8(P())["verdict"] == "not run yet"
     P.groups[("momentum", "tmm")] = [run("tmm", s, 5e-4 + s * 1e-4, 0.1 + s * 0.01) for s in range(3)]
-    assert F.claim8(P())["verdict"] != "not run yet" and "9 runs" in F.claim8(P())["ours"]
+    assert F.claim8(P())["verdict"] == "not run yet"  # tmm alone: the paper's set is not finished
+    for k, a in enumerate(["nesterov", "hb", "adam", "adamw"]):
+        P.groups[("momentum", a)] = [run(a, s, 6e-4 + k * 1e-4 + s * 1e-5, 0.12 + k * 0.01 + s * 1e-3)
+                                     for s in range(3)]
+    assert F.claim8(P())["verdict"] != "not run yet" and "21 runs" in F.claim8(P())["ours"]
     assert "negative" not in F.claim8(P())["detail"]
     # a negative trace (an indefinite Hessian) is counted, and named with the correlation without it
     P.groups[("momentum", "shampoo")] = [run("shampoo", 0, -2e-3, 0.05)]
     out = F.claim8(P())
-    assert "10 runs" in out["ours"] and "momentum/shampoo-s0" in out["detail"]
+    assert "22 runs" in out["ours"] and "momentum/shampoo-s0" in out["detail"]
     tr = [r["trace_per_param"] for rs in P.groups.values() for r in rs if r["trace_per_param"] >= 0]
     fg = [r["forgetting"] for rs in P.groups.values() for r in rs if r["trace_per_param"] >= 0]
-    assert f"ρ without them = {stats.spearmanr(tr, fg).statistic:.2f}" in out["detail"] and "9 runs)" in out["detail"]
+    assert f"ρ without them = {stats.spearmanr(tr, fg).statistic:.2f}" in out["detail"] and "21 runs)" in out["detail"]
 
 
 def test_ngram_reference_against_closed_forms():
@@ -296,3 +303,19 @@ def test_ngram_reference_against_closed_forms():
     assert ref["bigram"]["val_nll"] == pytest.approx(entropy, abs=0.01)
     # the held-out choice of k never reads the validation split: a different val leaves k unchanged
     assert mod.reference(iid[:180_000], iid[:100], vocab=4)["bigram"]["k"] == ref["bigram"]["k"]
+
+
+def test_claims_4_to_8_wait_for_the_papers_whole_set():
+    """A part in progress (the stdlib part: baseline and tmm finished first) gives no verdict on the TMM paper's
+    ranking or its class claims: with tmm and the baseline alone claim 4 (first and re-issued rules) and claims 6-7
+    are "not run yet", where they would otherwise rank tmm among two architectures."""
+    class P:
+        groups = {("s", "baseline"): [{"val_loss": 3.0 + s / 100, "forgetting": 0.3} for s in range(5)],
+                  ("s", "tmm"): [{"val_loss": 3.1 + s / 100, "forgetting": 0.2} for s in range(5)]}
+
+        def values(self, metric, arch, study=None):
+            return [r[metric] for (_, a), rs in self.groups.items() if a == arch for r in rs]
+
+    assert F.paper_set_missing(P(), "val_loss") == ["nesterov", "hb", "adam", "adamw"]
+    assert F.claim4(P())["verdict"] == "not run yet"
+    assert F._lower_than_vanilla(P(), "forgetting", "7.", "paper", 3)["verdict"] == "not run yet"
