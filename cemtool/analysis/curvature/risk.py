@@ -83,6 +83,7 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
     fixed = declared.fixed_parameters() if declared else {}  # coordinates of the model (an export's added zeros)
     named = [(n, p) for n, p in model.named_parameters() if n not in fixed]  # shared parameters appear once
     aliases = declared.parameter_aliases() if declared else {}
+    modules = {c for n, _ in named for c in n.split(".")[:-1] if not c.isdigit()} - GENERIC  # where suffixes start
     chosen: set[str] = set()
     for part in [s.strip() for s in spec.split(",") if s.strip()] or [""]:
         if part == "all":
@@ -102,7 +103,6 @@ def select_parameters(model: nn.Module, spec: str = "all") -> list[tuple[str, nn
         elif part == "experts":
             hit = {n for n, _ in named if "experts" in n.split(".")[:-1]}
         else:
-            modules = {c for n, _ in named for c in n.split(".")[:-1] if not c.isdigit()} - GENERIC
             hit = {n for n, _ in named if any(_glob(name, part, modules) for name in (n, *aliases.get(n, ())))}
         if not hit:
             example = named[min(1, len(named) - 1)][0] if named else "?"

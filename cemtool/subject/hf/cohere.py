@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -27,6 +26,7 @@ class Cohere(LlamaLike):
     norm, mlp_kind = "layernorm", "swiglu"
     kinds = {}
     bilinear_qk = False  # the weights are bilinear, but not in the plane order rank truncation assumes
+    qk_norms = ("use_qk_norm", "q_norm", "k_norm", "bthd")
     residual = "parallel"
     norms = "one pre-LayerNorm for both sublayers"
     positions = "RoPE on interleaved pairs"
@@ -44,11 +44,3 @@ class Cohere(LlamaLike):
         cos, sin = hf.model.rotary_emb(q, pos)
         return apply_rotary_pos_emb(q, k, cos, sin)
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        """With use_qk_norm, q and k are the outputs of the per-head norms (B, T, heads, d_h), before RoPE."""
-        a = layer.self_attn
-        q, k, v = super().projections(layer, s)
-        if not a.use_qk_norm:
-            return [q, k, v]
-        return [Projection(a.q_norm, "q", q.index, q.heads, layout="bthd"),
-                Projection(a.k_norm, "k", k.index, k.heads, layout="bthd"), v]

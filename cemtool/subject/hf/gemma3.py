@@ -17,9 +17,6 @@ embedding model) is refused (it is not causal).
 
 from __future__ import annotations
 
-import torch
-
-from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.gemma2 import Gemma2
 
 
@@ -28,6 +25,7 @@ class Gemma3(Gemma2):
     model_types = ("gemma3_text",)
     kinds = {"gemma3_text": ("rmsnorm", "gelu")}
     bilinear_qk = False
+    qk_norms = (None, "q_norm", "k_norm", "bhtd")
     norms = "sandwich (RMSNorm before and after each sublayer); per-head q/k RMSNorms"
     positions = "RoPE, a local base on sliding-window layers and a global one on full layers"
     points = {"q, k": "q_norm / k_norm outputs: after the q/k norms, before RoPE", "v": "v_proj output",
@@ -42,8 +40,3 @@ class Gemma3(Gemma2):
     def cos_sin(self, hf, x, pos, layer):
         return hf.model.rotary_emb(x, pos, layer.self_attn.layer_type)
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        a = layer.self_attn
-        return [Projection(a.q_norm, "q", torch.arange(s.n_head * s.head_dim), s.n_head, layout="bhtd"),
-                Projection(a.k_norm, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head, layout="bhtd"),
-                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]

@@ -29,6 +29,9 @@ class LlamaLike(Family):
     norm, mlp_kind = "rmsnorm", "swiglu"
     norms = "pre-norm (RMSNorm; LayerNorm in OLMo and StarCoder2)"
     routers = ("mixtral", "qwen2_moe")
+    # q/k norms after the projections: (the attention's flag that switches them on, None: always; the q norm's and
+    # the k norm's attribute names; their output's layout, Projection.layout); None: no q/k norms
+    qk_norms: tuple[str | None, str, str, str] | None = None
     positions = "RoPE (partial where partial_rotary_factor < 1); sliding windows where configured"
     points = {"q, k, v": "q_proj / k_proj / v_proj outputs (biases included), before RoPE",
               "resid_mid": "input of post_attention_layernorm", "z": "input of o_proj"}
@@ -90,7 +93,14 @@ class LlamaLike(Family):
         return layer.mlp.gate if isinstance(experts, torch.nn.Module) else None
 
     def projections(self, layer, s: Shape) -> list[Projection]:
+        """q_proj, k_proj, v_proj; with the family's declared q/k norms (:attr:`qk_norms`, where its flag is on), q
+        and k are the norms' outputs instead."""
         a = layer.self_attn
-        return [Projection(a.q_proj, "q", torch.arange(s.n_head * s.head_dim), s.n_head),
-                Projection(a.k_proj, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head),
-                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]
+        q = Projection(a.q_proj, "q", torch.arange(s.n_head * s.head_dim), s.n_head)
+        k = Projection(a.k_proj, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)
+        v = Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)
+        if self.qk_norms is None or (self.qk_norms[0] is not None and not getattr(a, self.qk_norms[0])):
+            return [q, k, v]
+        _, q_norm, k_norm, layout = self.qk_norms
+        return [Projection(getattr(a, q_norm), "q", q.index, q.heads, layout=layout),
+                Projection(getattr(a, k_norm), "k", k.index, k.heads, layout=layout), v]

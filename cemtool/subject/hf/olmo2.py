@@ -14,9 +14,6 @@ before its post-norm; z the input of o_proj. The norms make the scores no fixed 
 
 from __future__ import annotations
 
-import torch
-
-from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -25,6 +22,7 @@ class Olmo2(LlamaLike):
     model_types = ("olmo2",)
     routers = ()
     bilinear_qk = False
+    qk_norms = (None, "q_norm", "k_norm", "flat")  # norms over all heads: (B, T, H d_h)
     norms = "post-sublayer RMSNorms (no pre-norms); RMSNorms on the full q and k projections"
     points = {"q, k": "q_norm / k_norm outputs (norms over all heads), before RoPE", "v": "v_proj output",
               "resid_mid": "the MLP's input", "mlp.out": "MLP output, before its post-norm", "z": "input of o_proj"}
@@ -35,8 +33,3 @@ class Olmo2(LlamaLike):
     def post_norms(self, layer):
         return layer.post_attention_layernorm, layer.post_feedforward_layernorm
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        a = layer.self_attn
-        return [Projection(a.q_norm, "q", torch.arange(s.n_head * s.head_dim), s.n_head),
-                Projection(a.k_norm, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head),
-                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]

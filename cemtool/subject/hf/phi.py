@@ -14,7 +14,7 @@ The pattern check applies Phi's partial rotary (the first ``rotary_ndims`` coord
 
 from __future__ import annotations
 
-from cemtool.subject.hf.adapter import Backbone, Projection, Shape
+from cemtool.subject.hf.adapter import Backbone
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -25,6 +25,7 @@ class Phi(LlamaLike):
     norm, mlp_kind = "layernorm", "gelu"
     kinds = {}
     bilinear_qk = False
+    qk_norms = ("qk_layernorm", "q_layernorm", "k_layernorm", "bhtd")
     residual = "parallel"
     norms = "one pre-LayerNorm for both sublayers"
     positions = "partial RoPE (the first rotary_ndims coordinates)"
@@ -41,11 +42,3 @@ class Phi(LlamaLike):
     def mid_norm(self, layer):
         return None  # parallel residual
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        """With qk_layernorm, q and k are the outputs of the per-head norms (B, heads, T, d_h), before RoPE."""
-        a = layer.self_attn
-        q, k, v = super().projections(layer, s)
-        if not a.qk_layernorm:
-            return [q, k, v]
-        return [Projection(a.q_layernorm, "q", q.index, q.heads, layout="bhtd"),
-                Projection(a.k_layernorm, "k", k.index, k.heads, layout="bhtd"), v]

@@ -12,9 +12,6 @@ rank truncation in the weights' basis says so.
 
 from __future__ import annotations
 
-import torch
-
-from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -22,13 +19,9 @@ class Qwen3(LlamaLike):
     name = "qwen3"
     model_types = ("qwen3", "qwen3_moe")
     bilinear_qk = False
+    qk_norms = (None, "q_norm", "k_norm", "bthd")
     norms = "pre-norm RMSNorm; per-head q/k RMSNorms"
     routers = ("qwen3_moe",)
     points = {"q, k": "q_norm / k_norm outputs: after the q/k norms, before RoPE", "v": "v_proj output",
               "resid_mid": "input of post_attention_layernorm", "z": "input of o_proj"}
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        a = layer.self_attn
-        return [Projection(a.q_norm, "q", torch.arange(s.n_head * s.head_dim), s.n_head, layout="bthd"),
-                Projection(a.k_norm, "k", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head, layout="bthd"),
-                Projection(a.v_proj, "v", torch.arange(s.n_kv_head * s.head_dim), s.n_kv_head)]

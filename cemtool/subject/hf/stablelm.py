@@ -12,7 +12,6 @@ partial rotary as the model does. ``qk_weights`` is None (rank truncation assume
 
 from __future__ import annotations
 
-from cemtool.subject.hf.adapter import Projection, Shape
 from cemtool.subject.hf.llama import LlamaLike
 
 
@@ -23,6 +22,7 @@ class StableLM(LlamaLike):
     norm, mlp_kind = "layernorm", "swiglu"
     kinds = {}
     bilinear_qk = False
+    qk_norms = ("qk_layernorm", "q_layernorm", "k_layernorm", "bhtd")
     residual = "sequential, or parallel (use_parallel_residual)"
     norms = "pre-LayerNorm"
     positions = "partial RoPE (partial_rotary_factor)"
@@ -32,11 +32,3 @@ class StableLM(LlamaLike):
     def mid_norm(self, layer):
         return None if layer.use_parallel_residual else layer.post_attention_layernorm
 
-    def projections(self, layer, s: Shape) -> list[Projection]:
-        """With qk_layernorm, q and k are the outputs of the per-head norms (B, heads, T, d_h), before RoPE."""
-        a = layer.self_attn
-        q, k, v = super().projections(layer, s)
-        if not a.qk_layernorm:
-            return [q, k, v]
-        return [Projection(a.q_layernorm, "q", q.index, q.heads, layout="bhtd"),
-                Projection(a.k_layernorm, "k", k.index, k.heads, layout="bhtd"), v]
