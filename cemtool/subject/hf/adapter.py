@@ -188,6 +188,14 @@ def rope_order(head_dim: int, rotary_dims: int) -> torch.Tensor:
     return torch.tensor(first + second, dtype=torch.long)  # (d_h,)
 
 
+def packed_per_head(module: nn.Module, heads: int, head_dim: int) -> list[Projection]:
+    """q, k, v of a fused projection whose output is laid out head by head as [q | k | v] (BLOOM, GPT-BigCode
+    without multi-query, Falcon's original layout; GPT-NeoX adds its rotary plane order)."""
+    base = torch.arange(heads)[:, None] * 3 * head_dim  # (H, 1): where each head's [q | k | v] starts
+    return [Projection(module, p, (base + i * head_dim + torch.arange(head_dim)).reshape(-1), heads)
+            for i, p in enumerate("qkv")]
+
+
 def weight_rows(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weight as (out, in), bias (out,) or None) of a Linear or of GPT-2's Conv1D (whose weight is (in, out))."""
     w = module.weight

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
+from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape, packed_per_head
 
 
 class Bloom(Family):
@@ -60,9 +60,7 @@ class Bloom(Family):
 
     def projections(self, layer, s: Shape) -> list[Projection]:
         dh, H = s.head_dim, s.n_head
-        base = torch.arange(H)[:, None] * 3 * dh  # (H, 1): where each head's [q | k | v] starts
-        qkv = layer.self_attention.query_key_value
-        return [Projection(qkv, p, (base + i * dh + torch.arange(dh)).reshape(-1), H) for i, p in enumerate("qkv")]
+        return packed_per_head(layer.self_attention.query_key_value, H, dh)
 
     def score_bias(self, hf, layer, batch, T):
         # optional dependency: transformers (a model of this family was built by it)

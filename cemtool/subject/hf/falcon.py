@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape
+from cemtool.subject.hf.adapter import Backbone, Family, Projection, Shape, packed_per_head
 
 
 class Falcon(Family):
@@ -73,7 +73,7 @@ class Falcon(Family):
         elif layer.config.multi_query:
             q, k, v = list(range(H)), [H], [H + 1]
         else:
-            q, k, v = [3 * h for h in range(H)], [3 * h + 1 for h in range(H)], [3 * h + 2 for h in range(H)]
+            return packed_per_head(qkv, H, dh)
         return [Projection(qkv, "q", heads(q), H), Projection(qkv, "k", heads(k), kv),
                 Projection(qkv, "v", heads(v), kv)]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from cemtool.subject.hf.adapter import Projection, Shape
+from cemtool.subject.hf.adapter import Projection, Shape, packed_per_head
 from cemtool.subject.hf.gpt2 import GPT2
 
 
@@ -36,5 +36,4 @@ class GPTBigCode(GPT2):
         if s.n_kv_head == 1:  # [q (d) | k (d_h) | v (d_h)]
             return [Projection(qkv, "q", torch.arange(d), H), Projection(qkv, "k", torch.arange(d, d + dh), 1),
                     Projection(qkv, "v", torch.arange(d + dh, d + 2 * dh), 1)]
-        base = torch.arange(H)[:, None] * 3 * dh  # (H, 1): per head [q | k | v]
-        return [Projection(qkv, p, (base + i * dh + torch.arange(dh)).reshape(-1), H) for i, p in enumerate("qkv")]
+        return packed_per_head(qkv, H, dh)  # per head [q | k | v]
