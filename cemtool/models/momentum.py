@@ -118,7 +118,8 @@ def inv_sqrt_newton(R: torch.Tensor, steps: int = 10, eps: float = PRECOND_EPS) 
 
         T = 1/2 (3I - Z Y);  Y <- Y T;  Z <- T Z      (Y = R_hat, Z = I at the start; Z -> R_hat^{-1/2})
 
-    which keeps Y = R_hat Z and so gives the same iterates Z = X in exact arithmetic, at the same cost (3 matmuls).
+    which keeps Y = R_hat Z and so gives the same iterates Z = X in exact arithmetic, at the same cost (3 matmuls
+    a step; the first step, from Z = I, needs one).
     The uncoupled form is numerically unstable: near the fixed point a rounding error E_ij (eigenbasis of R)
     is multiplied by (1 - sqrt(l_j / l_i)) / 2 per step, which exceeds 1 once cond(R) > 9, so it diverges if run
     past convergence (measured: NaN after 60 steps on random 8x8 SPD matrices with cond ~ 60); the coupled form
@@ -129,8 +130,12 @@ def inv_sqrt_newton(R: torch.Tensor, steps: int = 10, eps: float = PRECOND_EPS) 
     Re = R + eps * eye  # (..., n, n)
     norm = torch.linalg.matrix_norm(Re, keepdim=True)  # (..., 1, 1) Frobenius norm
     Y = Re / norm  # (..., n, n) R_hat
-    Z = eye.expand_as(Y)  # (..., n, n)
-    for _ in range(steps):
+    if steps == 0:
+        return eye.expand_as(Y) / norm.sqrt()
+    # the first step from Z = I written out: Z Y = Y and T Z = T exactly, so it costs one matmul, not three
+    T = 0.5 * (3.0 * eye - Y)  # (..., n, n)
+    Y, Z = Y @ T, T  # (..., n, n) each
+    for _ in range(steps - 1):
         T = 0.5 * (3.0 * eye - Z @ Y)  # (..., n, n)
         Y, Z = Y @ T, T @ Z  # (..., n, n) each
     return Z / norm.sqrt()

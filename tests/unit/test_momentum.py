@@ -429,3 +429,30 @@ def test_newton_inverse_square_root_follows_the_methods_iteration():
     ref = eig_inv_sqrt(R)
     assert not torch.allclose(X / norm.sqrt(), ref, rtol=1e-3)  # literal form after 60 steps: lost
     assert torch.allclose(inv_sqrt_newton(R, 60, eps=0.0), ref, rtol=1e-8, atol=0)
+
+
+def test_newton_first_step_written_out_is_the_coupled_loop_bit_for_bit():
+    """inv_sqrt_newton's first step skips Z Y and T Z (Z = I): values and gradients equal the plain coupled loop
+    from Z = I exactly, in float32 and float64, for 0, 1, 2 and 10 steps."""
+
+    def loop(R, steps):  # the coupled iteration, every step with its three matmuls
+        eye = torch.eye(R.shape[-1], dtype=R.dtype)
+        Re = R + 1e-6 * eye
+        norm = torch.linalg.matrix_norm(Re, keepdim=True)
+        Y, Z = Re / norm, eye.expand_as(Re)
+        for _ in range(steps):
+            T = 0.5 * (3.0 * eye - Z @ Y)
+            Y, Z = Y @ T, T @ Z
+        return Z / norm.sqrt()
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        G = torch.randn(3, 5, 16, 8, dtype=dtype, generator=gen)
+        R = (G.mT @ G).requires_grad_()
+        for steps in (0, 1, 2, 10):
+            a, b = loop(R, steps), inv_sqrt_newton(R, steps, eps=1e-6)
+            assert torch.equal(a, b), (dtype, steps)
+            g = torch.randn(a.shape, dtype=dtype, generator=gen)
+            assert torch.equal(*(torch.autograd.grad(x, R, g)[0] for x in (a, b))), (dtype, steps)
+    wrong = loop(R, 9)  # the check can fail: one step fewer differs
+    assert not torch.equal(wrong, inv_sqrt_newton(R, 10, eps=1e-6))
