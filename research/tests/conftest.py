@@ -3,7 +3,8 @@ pyproject's pytest `pythonpath`), imported as `from kit import ...`; its fixture
 
 The tiny GPU study that test_study_gpu.py's slow tests share (research/tests/tiny_study.py) starts in the
 background once collection is done, when a selected test needs it, and runs beside the tests before it (under
-pytest-xdist: at the first of them, on the one worker that runs them all)."""
+pytest-xdist, whose `--dist loadfile` (pyproject addopts) gives the whole file to one worker: at that worker's first
+test of it, the file sorted first so that the study starts at once while the other workers run the rest)."""
 
 import os
 
@@ -17,17 +18,17 @@ TINY_STUDY = pytest.StashKey[TinyStudy]()
 
 def pytest_collection_finish(session):
     if os.environ.get("PYTEST_XDIST_WORKER"):  # under pytest-xdist every worker collects every test: the one that
-        return  # runs the tiny study's group (test_study_gpu.py: xdist_group) starts it at its first test
+        return  # runs test_study_gpu.py (loadfile) starts it at its first test
     if any(item.path.name == "test_study_gpu.py" and "tiny" in getattr(item, "fixturenames", ())
            for item in session.items) and not session.config.option.collectonly:
         session.config.stash[TINY_STUDY] = TinyStudy().start()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Under pytest-xdist, the tiny study's group first (every worker sorts alike): the worker that takes it runs
-    the study while the others run the rest of the suite."""
+    """Under pytest-xdist, test_study_gpu.py first, its tiny-study tests at its head (every worker sorts alike):
+    the worker that takes the file runs the study while the others run the rest of the suite."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda it: 0 if any(m.args == ("tiny_study",) for m in it.iter_markers("xdist_group")) else 1)
+        items.sort(key=lambda it: (it.path.name != "test_study_gpu.py", "tiny" not in getattr(it, "fixturenames", ())))
 
 
 def pytest_sessionfinish(session):

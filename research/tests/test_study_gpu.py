@@ -36,7 +36,6 @@ def table(stdout: str) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_study")  # one worker runs the one tiny study
 def test_every_study_completed_as_the_estimate_planned(tiny):
     out, stdout = tiny["out"], tiny["res"].stdout
     planned = table(stdout)
@@ -52,7 +51,6 @@ def test_every_study_completed_as_the_estimate_planned(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_study")  # one worker runs the one tiny study
 def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
     out = tiny["out"]
     compared = 0
@@ -79,7 +77,6 @@ def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_study")  # one worker runs the one tiny study
 def test_matched_groups_are_matched(tiny):
     out, stdout = tiny["out"], tiny["res"].stdout
     diffs = dict(re.findall(r"^(baseline-wide|baseline-cem-size|depth6|late-lowrank-75)\s.*\s([+-][\d.]+)%$",
@@ -103,7 +100,6 @@ def test_matched_groups_are_matched(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_study")  # one worker runs the one tiny study
 def test_estimate_only_trains_nothing(tiny):
     est = tiny["estimate_only"]
     assert table(est["res"].stdout) == table(tiny["res"].stdout)  # the same plan, measured before
@@ -133,7 +129,6 @@ def test_budget_plan_counts_runs_and_chains_by_hand():
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("tiny_study")  # one worker runs the one tiny study
 def test_rerun_retrains_nothing(tiny):
     out, before, res = tiny["out"], tiny["rerun"]["before"], tiny["rerun"]["res"]  # rerun in the background
     assert res.returncode == 0, res.stdout + res.stderr
