@@ -62,8 +62,11 @@ def arch_table(overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int
                only: list[str] | None = None) -> list[dict]:
     """One row per architecture. Listing every architecture, one that the overrides make impossible (e.g. LIMe's
     router under per-layer head sizes) gets {"arch", "family", "error"} instead of failing the whole table; named
-    ones (``only``) and a table where none can be built raise."""
-    names = only or sorted(archs(), key=lambda n: (archs()[n].family, n))
+    ones (``only``) and a table where none can be built raise. Listing all, the foreign architectures that loading
+    a Hugging Face model registered in this process (family "foreign", each for its own vocabulary and context) are
+    left out: the table is of cemtool's families at one size."""
+    names = only or sorted((n for n, a in archs().items() if a.family != "foreign"),
+                           key=lambda n: (archs()[n].family, n))
     rows = []
     for n in names:
         try:

@@ -223,3 +223,20 @@ def test_train_help_lists_every_data_source():
     assert res.exit_code == 0
     for s in sources():
         assert f"'{s}'" in res.output, s
+
+
+def test_archs_sizes_leaves_out_foreign_architectures_registered_in_the_process(monkeypatch):
+    """Loading a Hugging Face model registers its architecture (family "foreign", its own context): the table of
+    cemtool's families at one size lists without it (it once failed the whole table), and it can still be named."""
+    from cemtool import architectures
+
+    def build(cfg):
+        raise AssertionError("a foreign architecture was built for the table")
+
+    monkeypatch.setitem(architectures._ARCHS, "hf-toy-000000", architectures.ArchSpec(
+        "hf-toy-000000", "foreign", build, {}, "a stand-in"))
+    res = invoke("archs", "--sizes", "--json", "--set", "model.d_model=32", "--set", "model.n_layer=2")
+    assert res.exit_code == 0, res.output
+    names = {r["arch"] for r in json.loads(res.stdout)}
+    assert "hf-toy-000000" not in names and "baseline" in names
+    assert "hf-toy-000000" in invoke("archs", "--json").stdout  # the plain listing still names it
