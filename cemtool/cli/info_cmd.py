@@ -40,6 +40,41 @@ def runs(
             console.info(f"note: {r['run']}: {note}")
 
 
+def _hf_archs(markdown: bool, json_: bool) -> None:
+    """archs --hf: the installed transformers' causal-LM families and their tiers (or docs/models.md's table)."""
+    from cemtool.subject.hf.catalog import families_table, hf_families  # start-up: transformers
+
+    if markdown:
+        console.result(families_table())
+        return
+    rows = hf_families()
+    if json_:
+        console.print_json(rows)
+        return
+    counts = {t: sum(r["tier"] == t for r in rows) for t in ("b", "a", "refused")}
+    console.table(f"transformers causal-LM families: {counts['b']} tier b, {counts['a']} tier a, "
+                  f"{counts['refused']} refused", ["model_type", "class", "tier", "what cemtool runs on it"],
+                  [[r["model_type"], r["class"], r["tier"], r["note"]] for r in rows])
+
+
+def _match_width(match_params: str | None, match_flops: str | None, match_arch: str, overrides: list[str],
+                 vocab: int, seq_len: int, json_: bool) -> None:
+    """archs --match-params/--match-flops: the width at which match_arch matches the reference."""
+    from cemtool.analysis.compute import match_width, target_size  # start-up: torch
+
+    by, ref = ("params", match_params) if match_params else ("flops", match_flops)
+    target = target_size(ref, overrides, vocab, seq_len)
+    best = match_width(target, by, match_arch, overrides)
+    if json_:
+        console.print_json({"target": target, **{k: v for k, v in best.items()}})
+        return
+    key = "non_embedding" if by == "params" else "flops_train"
+    flags = " ".join("--set " + o for o in best["overrides"])
+    console.result(f"{match_arch} with {flags} has {best['row'][key]:,.0f} "
+                   f"{'non-embedding parameters' if by == 'params' else 'training FLOPs/token'} vs "
+                   f"{target[key]:,.0f} of {ref} ({best['rel_error']:+.2%})")
+
+
 @app.command()
 @guarded
 def archs(
@@ -76,36 +111,10 @@ def archs(
     if markdown and not hf:
         raise UsageError("--markdown prints the Hugging Face families' table: give it with --hf")
     if hf:
-        from cemtool.subject.hf.catalog import hf_families  # start-up: transformers
-
-        if markdown:
-            from cemtool.subject.hf.catalog import families_table  # start-up: transformers
-
-            console.result(families_table())
-            return
-        rows = hf_families()
-        if json_:
-            console.print_json(rows)
-            return
-        counts = {t: sum(r["tier"] == t for r in rows) for t in ("b", "a", "refused")}
-        console.table(f"transformers causal-LM families: {counts['b']} tier b, {counts['a']} tier a, "
-                      f"{counts['refused']} refused", ["model_type", "class", "tier", "what cemtool runs on it"],
-                      [[r["model_type"], r["class"], r["tier"], r["note"]] for r in rows])
+        _hf_archs(markdown, json_)
         return
     if match_params or match_flops:
-        from cemtool.analysis.compute import match_width, target_size  # start-up: torch
-
-        by, ref = ("params", match_params) if match_params else ("flops", match_flops)
-        target = target_size(ref, set_ or [], vocab_, seq_len_)
-        best = match_width(target, by, match_arch, set_ or [])
-        if json_:
-            console.print_json({"target": target, **{k: v for k, v in best.items()}})
-            return
-        key = "non_embedding" if by == "params" else "flops_train"
-        flags = " ".join("--set " + o for o in best["overrides"])
-        console.result(f"{match_arch} with {flags} has {best['row'][key]:,.0f} "
-                       f"{'non-embedding parameters' if by == 'params' else 'training FLOPs/token'} vs "
-                       f"{target[key]:,.0f} of {ref} ({best['rel_error']:+.2%})")
+        _match_width(match_params, match_flops, match_arch, set_ or [], vocab_, seq_len_, json_)
         return
     if not (sizes or time or set_ or vocab is not None or seq_len is not None):
         _list_archs(only, json_)
