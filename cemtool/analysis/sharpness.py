@@ -36,7 +36,7 @@ from cemtool.analysis.landscape import (
     sam_sharpness,
     worst_case_sharpness,
 )
-from cemtool.analysis.trace import Trace, hutch_plus_plus, hutchinson, xtrace
+from cemtool.analysis.trace import MIN_HVPS, Trace, hutch_plus_plus, hutchinson, xtrace
 from cemtool.errors import CemtoolError
 from cemtool.models.capabilities import Capabilities
 from cemtool.options import at_least, check_types
@@ -118,6 +118,11 @@ class SharpnessOptions:
         if self.density_sigma is not None and not (math.isfinite(self.density_sigma) and self.density_sigma > 0):
             raise CemtoolError(f"density_sigma must be a positive number, got {self.density_sigma}",
                                hint="leave it out for 1% of the spectral spread")
+        short = [m for m in self.trace_methods if 0 < self.trace_hvps < MIN_HVPS[m]]
+        if short:
+            need = max(MIN_HVPS[m] for m in short)
+            raise CemtoolError(f"trace_hvps={self.trace_hvps}: {short[0]} needs at least {need} HVPs",
+                               hint=f"raise --trace-hvps to {need} or more, or set it to 0 to skip the trace")
         if 0 < self.lanczos_steps < self.top_k + self.bottom_k:
             raise CemtoolError(f"top_k {self.top_k} + bottom_k {self.bottom_k} eigenvalues need at least "
                                f"{self.top_k + self.bottom_k} Lanczos steps, lanczos_steps is {self.lanczos_steps}",

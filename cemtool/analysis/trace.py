@@ -33,6 +33,11 @@ class Trace:
     n: int
 
 
+# the fewest HVPs each estimator can spend (Hutchinson: two samples for a standard error; Hutch++ and XTrace: a
+# sketch and its complement, two vectors each); option checks read this before any model is opened
+MIN_HVPS = {"hutchinson": 2, "hutch++": 4, "xtrace": 4}
+
+
 def _rademacher(n: int, k: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
     return (torch.randint(0, 2, (n, k), generator=gen, dtype=torch.float64) * 2 - 1).to(device)  # (n, k)
 
@@ -59,8 +64,8 @@ def hutchinson(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None 
     """Hutchinson's estimator tr(H) ~ (1/m) sum z_i^T H z_i with Rademacher z_i (Hutchinson 1989);
     standard error = sample std / sqrt(m)."""
     op = as_operator(op)  # a dense (n, n) tensor is an operator too
-    if hvps < 2:
-        raise CemtoolError("the trace needs at least 2 HVPs for a standard error")
+    if hvps < MIN_HVPS["hutchinson"]:
+        raise CemtoolError(f"the trace needs at least {MIN_HVPS['hutchinson']} HVPs for a standard error")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
     apply = _CountedHVP(op, callback)
     samples = []
@@ -77,8 +82,8 @@ def hutch_plus_plus(op, hvps: int = 100, *, seed: int = 0, callback: Callback | 
     columns, take tr(Q^T H Q) exactly (k HVPs) and Hutchinson on the deflated rest (I - QQ^T) H (I - QQ^T) with
     the remaining m - 2k vectors. Unbiased; its standard error is that of the Hutchinson part."""
     op = as_operator(op)  # a dense (n, n) tensor is an operator too
-    if hvps < 4:
-        raise CemtoolError("Hutch++ needs at least 4 HVPs")
+    if hvps < MIN_HVPS["hutch++"]:
+        raise CemtoolError(f"Hutch++ needs at least {MIN_HVPS['hutch++']} HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
     apply = _CountedHVP(op, callback)
     k = min(hvps // 3, op.n)
@@ -137,8 +142,8 @@ def xtrace(op, hvps: int = 100, *, seed: int = 0, callback: Callback | None = No
     The standard error is the jackknife over the s pairs (:func:`_xtrace_jackknife_se`; the authors' std(t_i)/
     sqrt(s) is too small because the t_i share samples: RMS error/SE up to 1.7 on real Hessians)."""
     op = as_operator(op)  # a dense (n, n) tensor is an operator too
-    if hvps < 4:
-        raise CemtoolError("XTrace needs at least 4 HVPs")
+    if hvps < MIN_HVPS["xtrace"]:
+        raise CemtoolError(f"XTrace needs at least {MIN_HVPS['xtrace']} HVPs")
     t0, gen = time.perf_counter(), torch.Generator().manual_seed(seed)
     s = min(hvps // 2, op.n)
     apply = _CountedHVP(op, callback)

@@ -13,6 +13,7 @@ from torch.func import functional_call
 
 from cemtool.analysis.curvature.operators import Hessian
 from cemtool.analysis.sharpness import (
+    TRACE_METHODS,
     SharpnessOptions,
     asam_sharpness,
     average_sharpness,
@@ -268,10 +269,25 @@ def test_progress_completes_when_lanczos_stops_early(model_problem):
     (dict(sam_rho=float("nan")), "sam_rho must be a finite number"),
     (dict(tol=float("inf")), "tol must be a finite number"),
     (dict(top_k=30, lanczos_steps=20), "need at least 31 Lanczos steps"),
+    (dict(trace_hvps=3), "xtrace needs at least 4 HVPs"),  # refused before a model is opened, not after training
+    (dict(trace_hvps=1, trace_methods=("hutchinson",)), "hutchinson needs at least 2 HVPs"),
 ])
 def test_options_refuse_what_cannot_be_measured(bad, message):
     with pytest.raises(CemtoolError, match=message):
         SharpnessOptions(**bad)
+
+
+def test_the_options_trace_minimum_is_the_estimators_own():
+    """Each budget the options accept runs in its estimator, and one HVP fewer is refused by both."""
+    from cemtool.analysis.trace import MIN_HVPS
+    H = torch.diag(torch.arange(1.0, 9.0, dtype=torch.float64))  # (8, 8)
+    for method, need in MIN_HVPS.items():
+        SharpnessOptions(trace_methods=(method,), trace_hvps=need)
+        assert TRACE_METHODS[method](H, need).hvps <= need
+        with pytest.raises(CemtoolError, match="at least"):
+            SharpnessOptions(trace_methods=(method,), trace_hvps=need - 1)
+        with pytest.raises(CemtoolError, match="at least"):
+            TRACE_METHODS[method](H, need - 1)
 
 
 def test_tokens_requested_and_used_are_both_reported(model_problem):
