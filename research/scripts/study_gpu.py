@@ -54,6 +54,7 @@ class Size:
     log_every: int
     probe_steps: int  # steps of the timed probe run
     tune_tokens: int = 0  # 0 = tokens / TUNE_FRACTION
+    muon_grid: str = MUON_GRID  # the tuning grid of the muon part
     analysis_options: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()  # further --set of every run
 
@@ -82,12 +83,13 @@ SIZES = {
     # 520M tokens per comparison run (~20 per parameter), 5 comparison seeds
     "25m": Size(8, 320, 5, 1024, 32, 4, 520_093_696, (0, 1, 2, 3, 4), "train.lr=6e-4,1.2e-3,2.4e-3", 100, 500,
                 524_288, 20, 30),
-    # --tiny: the pipeline end to end on a CPU in a few minutes; the numbers mean nothing
-    "tiny": Size(2, 32, 2, 32, 16, 1, 4096, (0, 1), "train.lr=1e-3,3e-3,1e-2", 2, 10**6, 512, 2, 6,
-                 tune_tokens=2048,
-                 analysis_options=("sharpness.tokens=256", "sharpness.lanczos_steps=6", "sharpness.top_k=1",
-                                   "sharpness.trace_hvps=8", "sharpness.density_runs=0", "sharpness.avg_samples=1",
-                                   "sharpness.landscape=none", "collapse.tokens=2048", "collapse.folds=2")),
+    # --tiny: the pipeline end to end on a CPU in a few minutes; the numbers mean nothing. Two-point grids (a
+    # selection still has a choice to make) and the smallest analyses, since the suite runs it (research/tests)
+    "tiny": Size(2, 32, 2, 32, 16, 1, 4096, (0, 1), "train.lr=1e-3,1e-2", 2, 10**6, 512, 2, 6,
+                 tune_tokens=2048, muon_grid="train.muon_lr=0.01,0.04",
+                 analysis_options=("sharpness.tokens=256", "sharpness.lanczos_steps=3", "sharpness.top_k=1",
+                                   "sharpness.trace_hvps=4", "sharpness.density_runs=0", "sharpness.avg_samples=1",
+                                   "sharpness.landscape=none", "collapse.tokens=1024", "collapse.folds=2")),
 }
 
 
@@ -158,9 +160,10 @@ def chains(size: Size, shapes: dict, lime_ratio: float) -> list[Chain]:
         group("main", "late-lowrank-75", ["baseline"], size, grid, [], "late-lowrank-75", shapes["late-lowrank-75"]),
         group("main", f"depth{3 * size.n_layer}", ["baseline", "lime"], size, grid, ["collapse"], "deep",
               shapes["deep"]),
-        group("muon", "lane1", ["baseline", "hb", "nesterov", "tmm", "adam", "adamw"], size, MUON_GRID, sf, "muon",
+        group("muon", "lane1", ["baseline", "hb", "nesterov", "tmm", "adam", "adamw"], size, size.muon_grid, sf,
+              "muon",
               ["train.optimizer=muon"]),
-        group("muon", "lane2", ["rmsprop", "muon", "ortho", "soap", "shampoo"], size, MUON_GRID, sf, "muon",
+        group("muon", "lane2", ["rmsprop", "muon", "ortho", "soap", "shampoo"], size, size.muon_grid, sf, "muon",
               ["train.optimizer=muon"]),
     ]
 

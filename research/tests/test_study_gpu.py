@@ -132,7 +132,7 @@ def test_budget_plan_counts_runs_and_chains_by_hand():
 def test_rerun_retrains_nothing(tiny):
     out, before, res = tiny["out"], tiny["rerun"]["before"], tiny["rerun"]["res"]  # rerun in the background
     assert res.returncode == 0, res.stdout + res.stderr
-    assert meta_mtimes(out) == before and len(before) > 300
+    assert meta_mtimes(out) == before and len(before) > 200
     assert "timing every architecture" in res.stdout
 
 
