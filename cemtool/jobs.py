@@ -24,9 +24,6 @@ from cemtool.analysis import collapse, pyhessian_backend, sharpness
 from cemtool.analysis import saturation as saturation_analysis
 from cemtool.distributed import check_same_device, init_distributed
 from cemtool.errors import CemtoolError
-from cemtool.plots.collapse import plot_collapse
-from cemtool.plots.saturation import plot_logits, plot_truncation
-from cemtool.plots.sharpness import plot_sharpness
 from cemtool.report import provenance, replaced_data_note, write_report
 from cemtool.runs import lock_for_reading
 from cemtool.subject import Subject, open_subject
@@ -184,16 +181,33 @@ def write_comparison(results: list[JobResult], name: str, payload: dict, rows: l
 # --------------------------------------------------------------------------------------------------------------
 # the registry: one line per analysis
 
-register(Analysis("sharpness", sharpness.Options, sharpness.measure, sharpness.report_name,
-                  lambda payload, plots, stem: plot_sharpness(payload, plots, prefix=stem)
-                  if "layers" not in payload else []))
+# The figures import matplotlib (0.5-0.7 s) only when they are drawn: most processes that import this module (a
+# sweep's workers with --no-plots, torchrun ranks other than 0, the commands' option checks) draw none.
+
+def _sharpness_figures(payload: dict, plots: Path, stem: str) -> list:
+    from cemtool.plots.sharpness import plot_sharpness  # start-up: matplotlib
+
+    return plot_sharpness(payload, plots, prefix=stem) if "layers" not in payload else []
+
+
+def _collapse_figures(payload: dict, plots: Path, stem: str) -> list:
+    from cemtool.plots.collapse import plot_collapse  # start-up: matplotlib
+
+    return plot_collapse(payload, plots, stem)
+
+
+def _saturation_figures(payload: dict, plots: Path, stem: str) -> list:
+    from cemtool.plots.saturation import plot_logits, plot_truncation  # start-up: matplotlib
+
+    return [plot_truncation(payload, plots, stem), plot_logits(payload, plots, stem)]
+
+
+register(Analysis("sharpness", sharpness.Options, sharpness.measure, sharpness.report_name, _sharpness_figures))
 register(Analysis("sharpness_pyhessian", sharpness.Options, pyhessian_backend.measure,  # needs cemtool[pyhessian]
                   lambda o: "sharpness_pyhessian"))
-register(Analysis("collapse", collapse.Options, collapse.measure, lambda o: "collapse",
-                  lambda payload, plots, stem: plot_collapse(payload, plots, stem)))
+register(Analysis("collapse", collapse.Options, collapse.measure, lambda o: "collapse", _collapse_figures))
 register(Analysis("saturation", saturation_analysis.Options, saturation_analysis.measure, lambda o: "saturation",
-                  lambda payload, plots, stem: [plot_truncation(payload, plots, stem),
-                                                plot_logits(payload, plots, stem)]))
+                  _saturation_figures))
 
 __all__ = ["ANALYSES", "Analysis", "JobResult", "Report", "get", "make_options", "register", "run_job",
            "write_comparison"]

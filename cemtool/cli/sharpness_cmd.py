@@ -198,7 +198,7 @@ def sharpness(
     spectral density (SLQ), SAM / ASAM / average-case sharpness and loss slices. Writes reports/<name>.json and
     .csv and figures into the run directory; prints a summary with the evaluation token count."""
     from cemtool.analysis.sharpness import check_per_layer  # start-up (torch)
-    from cemtool.jobs import run_job  # start-up: torch and matplotlib load when a command runs, not for --help
+    from cemtool.jobs import run_job  # start-up: torch loads when a command runs, not for --help
 
     if backend not in ("cemtool", "pyhessian"):
         raise typer.BadParameter("use cemtool or pyhessian", param_hint="--backend")
