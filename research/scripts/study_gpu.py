@@ -55,6 +55,7 @@ class Size:
     probe_steps: int  # steps of the timed probe run
     tune_tokens: int = 0  # 0 = tokens / TUNE_FRACTION
     muon_grid: str = MUON_GRID  # the tuning grid of the muon part
+    tune_seeds: tuple[int, ...] = tuple(TUNE_SEEDS)  # the seeds of every tuning run
     analysis_options: tuple[str, ...] = ()
     extra: tuple[str, ...] = ()  # further --set of every run
 
@@ -84,9 +85,10 @@ SIZES = {
     "25m": Size(8, 320, 5, 1024, 32, 4, 520_093_696, (0, 1, 2, 3, 4), "train.lr=6e-4,1.2e-3,2.4e-3", 100, 500,
                 524_288, 20, 30),
     # --tiny: the pipeline end to end on a CPU in a few minutes; the numbers mean nothing. Two-point grids (a
-    # selection still has a choice to make) and the smallest analyses, since the suite runs it (research/tests)
+    # selection still has a choice to make), one tuning seed and the smallest analyses, since the suite runs it
+    # (research/tests)
     "tiny": Size(2, 32, 2, 32, 16, 1, 4096, (0, 1), "train.lr=1e-3,1e-2", 2, 10**6, 512, 2, 6,
-                 tune_tokens=2048, muon_grid="train.muon_lr=0.01,0.04",
+                 tune_tokens=2048, muon_grid="train.muon_lr=0.01,0.04", tune_seeds=(100,),
                  analysis_options=("sharpness.tokens=256", "sharpness.lanczos_steps=3", "sharpness.top_k=1",
                                    "sharpness.trace_hvps=4", "sharpness.density_runs=0", "sharpness.avg_samples=1",
                                    "sharpness.landscape=none", "collapse.tokens=1024", "collapse.folds=2")),
@@ -128,7 +130,8 @@ class Chain:
 def group(part: str, name: str, archs: list[str], size: Size, grid: str, analyses: list[str], probe: str,
           sets: list[str] = ()) -> Chain:
     """study.sh's `group`: tune the architectures, then compare them on the comparison seeds."""
-    tune = Sweep(f"{part}/tune/{name}", archs, TUNE_SEEDS, tune_tokens(size), probe, list(sets), grid=grid)
+    tune = Sweep(f"{part}/tune/{name}", archs, list(size.tune_seeds), tune_tokens(size), probe, list(sets),
+                 grid=grid)
     compare = Sweep(f"{part}/{name}", archs, list(size.seeds), size.tokens, probe, tuned=tune.dir, analyses=analyses)
     return Chain(f"{part}/{name}", [tune, compare])
 
@@ -142,7 +145,7 @@ def chains(size: Size, shapes: dict, lime_ratio: float) -> list[Chain]:
     S, grid, sf = list(size.seeds), size.lr_grid, ["sharpness", "forgetting"]
     core_archs = ["baseline", "lime", *CEM]
     core = Chain("main/core", [
-        Sweep("main/tune/core", core_archs, TUNE_SEEDS, tune_tokens(size), "default", grid=grid),
+        Sweep("main/tune/core", core_archs, list(size.tune_seeds), tune_tokens(size), "default", grid=grid),
         Sweep("main/core", ["baseline", "lime"], S, size.tokens, "default", tuned="main/tune/core",
               analyses=["sharpness", "collapse", "forgetting"]),
         Sweep("main/cem", CEM, S, size.tokens, "default", tuned="main/tune/core"),

@@ -57,7 +57,7 @@ def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
     for d in study_dirs(out):
         plan = json.loads((d / "study.json").read_text())["plan"]
         if plan["grid"]:
-            assert plan["seeds"] == [100, 101] and plan["tuned_from"] is None
+            assert plan["seeds"] == [100] and plan["tuned_from"] is None  # --tiny's one tuning seed
             continue
         tuning = Path(plan["tuned_from"])
         assert tuning.is_absolute() and tuning.parent.name == "tune" and tuning.parent.parent == d.parent
@@ -132,7 +132,7 @@ def test_budget_plan_counts_runs_and_chains_by_hand():
 def test_rerun_retrains_nothing(tiny):
     out, before, res = tiny["out"], tiny["rerun"]["before"], tiny["rerun"]["res"]  # rerun in the background
     assert res.returncode == 0, res.stdout + res.stderr
-    assert meta_mtimes(out) == before and len(before) > 200
+    assert meta_mtimes(out) == before and len(before) > 140
     assert "timing every architecture" in res.stdout
 
 
