@@ -1,5 +1,6 @@
-"""`cemtool plot` on tiny real runs: the figures carry the saved numbers, report.md shows them, it works on reports
-alone (checkpoints deleted), and bad input is answered by one line."""
+"""`cemtool plot` on the demo's committed runs (sample_runs/demo): the figures carry the saved numbers, report.md
+shows them, it works on reports alone (no checkpoints, torch never imported), and bad input is answered by one
+line."""
 
 import json
 import math
@@ -18,8 +19,7 @@ from cemtool.plots.style import arch_color
 from cemtool.plots.training import FLOOR_COLOR, SEED_STYLES, read_run, smoothed, training_figure
 from cemtool.report import fmt
 
-from kit import train_tiny
-
+DEMO = Path(__file__).resolve().parents[2] / "sample_runs" / "demo"
 runner = CliRunner()
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -45,27 +45,15 @@ def one_line_error(res, code, *words):
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    """Two tiny grammar runs (baseline seed 0, tmm seed 1) with sharpness (whole model and per layer), collapse
-    and forgetting reports, made by the real commands."""
-    root = tmp_path_factory.mktemp("plot")
-    base = Path(train_tiny(root / "base"))
-    tmm = Path(train_tiny(root / "tmm", arch="tmm", extra=["train.max_steps=20", "seed=1"]))
-    cheap = ["--device", "cpu", "-q", "--quick", "--tokens", "128", "--no-plot"]
-    res = invoke("sharpness", base, *cheap, "--landscape", "1d", "--slice-points", "5")
-    assert res.exit_code == 0, res.output
-    for run in (base, tmm):
-        for layer in (0, 1):
-            res = invoke("sharpness", run, *cheap, "--params", f"layer:{layer}", "--trace-hvps", "4",
-                         "--density-runs", "0", "--sam-rho", "0", "--asam-rho", "0", "--avg-rho", "0",
-                         "--landscape", "none")
-            assert res.exit_code == 0, res.output
-        res = invoke("collapse-report", run, "--tokens", "128", "--per-class", "8", "--min-per-class", "8",
-                     "--folds", "2", "-q", "--no-plots")
-        assert res.exit_code == 0, res.output
-    res = invoke("forgetting", base, "--to", "grammar-b", "--steps", "4", "--eval-every", "2", "--eval-tokens",
-                 "256", "--device", "cpu", "-q")
-    assert res.exit_code == 0, res.output
-    return root, base, tmm
+    """Two of the demo's committed runs (baseline seed 0 and tmm seed 1, each with sharpness of the whole model and
+    per layer and collapse) and the baseline's fine-tune (forgetting), copied from sample_runs/demo without their
+    figures, report.md and the baseline's saturation report (its figures are tested below from their own data):
+    reports the real commands wrote, nothing trained here."""
+    root = tmp_path_factory.mktemp("plot") / "study"
+    root.mkdir()
+    for name in ("baseline-s0", "tmm-s1", "baseline-s0-ft-grammar-b"):
+        shutil.copytree(DEMO / name, root / name, ignore=shutil.ignore_patterns("plots", "report.md", "saturation*"))
+    return root, root / "baseline-s0", root / "tmm-s1"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -220,18 +208,18 @@ def test_captions_and_eval_table(study):
 
 
 def test_plot_run_from_reports_alone(study, tmp_path):
-    """The run's checkpoints are deleted: every figure is still drawn and report.md shows the saved numbers."""
+    """A run without checkpoints (the committed runs keep none): every figure is still drawn and report.md shows the
+    saved numbers."""
     _, base, _ = study
     run = tmp_path / "base"
     shutil.copytree(base, run)
-    shutil.rmtree(run / "checkpoints")
-    shutil.rmtree(run / "plots", ignore_errors=True)
+    assert not (run / "checkpoints").exists() and not (run / "plots").exists()
     res = invoke("plot", run, "--json")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
     names = sorted(Path(p).name for p in out["figures"])
     assert names == ["collapse_attention.png", "collapse_layers.png", "sharpness_layers.png",
-                     "sharpness_slice_1d.png", "sharpness_spectrum.png", "training.png"]
+                     "sharpness_slice_1d.png", "sharpness_slice_2d.png", "sharpness_spectrum.png", "training.png"]
     for p in out["figures"]:
         assert Path(p).read_bytes()[:8] == PNG_MAGIC
         assert Path(p).with_suffix(".svg").read_text().lstrip().startswith("<?xml")
@@ -263,12 +251,14 @@ def test_plot_sweep_folder(study):
     for name in ("training", "forgetting", "sharpness_layers", "collapse_compare_layers"):
         assert (root / "plots" / f"{name}.png").exists() and (root / "plots" / f"{name}.svg").exists(), name
     md = (root / "report.md").read_text()
-    assert "| base | baseline | 0 | completed | 30 |" in md and "| tmm | tmm | 1 | completed | 20 |" in md
-    assert "base-ft-grammar-b" in md and "## Forgetting and plasticity" in md
-    forget = json.loads((root / "base-ft-grammar-b" / "reports" / "forgetting.json").read_text())
+    steps = {r.name: json.loads((r / "meta.json").read_text())["step"] for r in (base, tmm)}
+    assert f"| baseline-s0 | baseline | 0 | completed | {steps['baseline-s0']} |" in md
+    assert f"| tmm-s1 | tmm | 1 | completed | {steps['tmm-s1']} |" in md
+    assert "baseline-s0-ft-grammar-b" in md and "## Forgetting and plasticity" in md
+    forget = json.loads((root / "baseline-s0-ft-grammar-b" / "reports" / "forgetting.json").read_text())
     assert f"{forget['forgetting']:+.4f}" in md
     layer0 = json.loads((tmm / "reports" / "sharpness-layer-0.json").read_text())
-    assert "| tmm | 0 |" in md and fmt(layer0["eigen"]["top"][0]) in md  # the per-layer table names the runs
+    assert "| tmm-s1 | 0 |" in md and fmt(layer0["eigen"]["top"][0]) in md  # the per-layer table names the runs
     assert not (base / "report.md").exists()  # --no-each-run
 
 
@@ -276,7 +266,7 @@ def test_forgetting_curves_are_the_report(study):
     from cemtool.plots import compare
 
     root, _, _ = study
-    rep = json.loads((root / "base-ft-grammar-b" / "reports" / "forgetting.json").read_text())
+    rep = json.loads((root / "baseline-s0-ft-grammar-b" / "reports" / "forgetting.json").read_text())
     figs = {}
     orig = compare.save
     compare.save = lambda fig, d, name: figs.setdefault(name, fig) and []
@@ -312,8 +302,8 @@ def test_several_runs_into_out(study, tmp_path):
     assert res.output.strip().splitlines()[-1] == f"report  {out / 'report.md'}"  # -q: the report.md paths
     assert (out / "plots" / "training.png").exists()
     md = (out / "report.md").read_text()
-    assert "# Comparison of 2 runs" in md and "[base](../base/report.md)" in md
-    assert (tmp_path / "tmm" / "plots" / "training.png").exists()  # each run's own figures too
+    assert "# Comparison of 2 runs" in md and "[baseline-s0](../baseline-s0/report.md)" in md
+    assert (tmp_path / "tmm-s1" / "plots" / "training.png").exists()  # each run's own figures too
 
 
 # --------------------------------------------------------------------------------------------------------------
