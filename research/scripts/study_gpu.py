@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import json
 import math
 import os
 import statistics
@@ -379,10 +380,15 @@ def lane_hours(work: list[Chain], lanes: int) -> float:
     return max(free)
 
 
-def startup_time(argv: list[str]) -> float:
-    """Seconds of a sweep's start (Python, torch, checking the plan), timed on a --dry-run of the largest one."""
+def startup_time(launcher: Launcher, args: list[str]) -> float:
+    """Seconds of a sweep's start as a lane starts it (a forked child or a process: Launcher; checking the plan),
+    timed on a --dry-run of the largest one."""
+    launcher.run(["--help"], os.devnull, {"OMP_NUM_THREADS": "1"})  # starts the server: not each sweep's start
     t0 = time.perf_counter()
-    subprocess.run([*argv, "--dry-run"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    rc = launcher.run([*args, "--dry-run"], os.devnull, {"OMP_NUM_THREADS": "1"})
+    launcher.close()
+    if rc:
+        sys.exit(f"Error: the dry run of the first sweep failed (exit {rc}): {' '.join(launcher.argv(args))}")
     return time.perf_counter() - t0
 
 
@@ -428,10 +434,10 @@ def budget_plan(probes: dict, work: list[Chain], size: Size, minutes: float, lan
 # running the lanes
 
 
-def sweep_argv(s: Sweep, out: Path, size: Size, common: list[str], options: list[str], target: str | None,
+def sweep_args(s: Sweep, out: Path, size: Size, common: list[str], options: list[str], target: str | None,
                device: str) -> list[str]:
-    cemtool = os.environ.get("CEMTOOL", "").split() or [sys.executable, "-m", "cemtool"]
-    argv = [*cemtool, "sweep", "--seeds", ",".join(map(str, s.seeds)), "--tokens", str(s.tokens)]
+    """The arguments of `cemtool` for one sweep (the executable and its process: Launcher)."""
+    argv = ["sweep", "--seeds", ",".join(map(str, s.seeds)), "--tokens", str(s.tokens)]
     if s.tuned:
         argv += ["--tuned", str(out / s.tuned), "--archs", ",".join(s.archs)]
     else:
@@ -450,9 +456,101 @@ def log(out: Path, line: str) -> None:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())} {line}\n")
 
 
-def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, argv_of, out: Path, device: str,
+class Launcher:
+    """How a lane starts a `cemtool` command. With CEMTOOL set: that executable, one process per command. By
+    default: a child forked from the lane's own server process (fork_server), which imported torch and cemtool's
+    sweep command once, so that a sweep starts in milliseconds instead of the 2.5-3 s that importing torch takes
+    on a CPU core (the tiny study of research/tests runs 45 commands; research/docs/study_gpu.md). The server is a
+    fresh single-threaded interpreter: no lane thread and no CUDA context is forked, and each child sets its own
+    CUDA_VISIBLE_DEVICES before torch touches a GPU. One Launcher serves one lane: its commands run one at a time."""
+
+    def __init__(self):
+        self.exe = os.environ.get("CEMTOOL", "").split()
+        self.server: subprocess.Popen | None = None
+
+    def argv(self, args: list[str]) -> list[str]:
+        """The command line the lane runs (as printed in a message)."""
+        return [*(self.exe or [sys.executable, "-m", "cemtool"]), *args]
+
+    def run(self, args: list[str], log_path: str, env: dict[str, str]) -> int:
+        """`cemtool ARGS` with stdout and stderr into log_path and env on top of this process's: its exit status
+        (128 + N when signal N ended it)."""
+        if self.exe:
+            with open(log_path, "w") as f:
+                return subprocess.run(self.argv(args), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      env={**os.environ, **env}).returncode
+        if self.server is None or self.server.poll() is not None:
+            code = f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); " \
+                   "import study_gpu; study_gpu.fork_server()"
+            self.server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
+        self.server.stdin.write(json.dumps({"args": args, "log": log_path, "env": env}) + "\n")
+        self.server.stdin.flush()
+        reply = self.server.stdout.readline()
+        if not reply:
+            sys.exit(f"Error: the lane's fork server ended (exit {self.server.wait()}) while it ran: "
+                     f"{' '.join(self.argv(args))}")
+        return int(reply)
+
+    def close(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.stdin.close()  # the server leaves at the end of its input
+            self.server.wait()
+
+
+def fork_server() -> None:
+    """A lane's server (Launcher): imports cemtool's commands and torch once, then for each request line
+    {"args", "log", "env"} forks a child that runs `cemtool ARGS` into the log, waits for it and answers its exit
+    status on a line."""
+    import cemtool.cli.main  # noqa: F401  (the commands)
+    import cemtool.sweep  # noqa: F401  (the sweep command's modules, torch among them)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                cemtool_child(request["args"], request["log"], request["env"])
+            finally:
+                os._exit(70)  # not reached: cemtool_child always leaves through os._exit
+        status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        print(status if status >= 0 else 128 - status, flush=True)
+
+
+def cemtool_child(args: list[str], log_path: str, env: dict[str, str]) -> None:
+    """In a forked child of fork_server: `cemtool ARGS` as its own process would run it, then leave with its
+    status."""
+    os.environ.update(env)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.close(null)
+    sys.argv = ["cemtool", *args]
+    from cemtool.cli.main import main  # imported already, in the server
+
+    code = 0
+    try:
+        main()
+    except SystemExit as e:  # how every command ends (typer)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # as the interpreter would report it
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, args_of, out: Path, device: str,
              failed: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher, env = Launcher(), {"OMP_NUM_THREADS": "1"}
     if device == "cuda":  # lane i on the i-th visible GPU (of CUDA_VISIBLE_DEVICES when it is set)
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
             else [str(i) for i in range(torch_device_count())]
@@ -460,14 +558,14 @@ def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, argv_of, out: 
     while True:
         with lock:
             if not queue:
+                launcher.close()
                 return
             chain = queue.pop(0)
         for s in chain.sweeps:
             log(out, f"lane {lane} start {s.dir}")
             print(f"lane {lane}: {s.dir} ({s.runs} runs)", flush=True)
             (out / s.dir).parent.mkdir(parents=True, exist_ok=True)
-            with open(out / f"{s.dir}.log", "w") as f:
-                rc = subprocess.run(argv_of(s), stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+            rc = launcher.run(args_of(s), str(out / f"{s.dir}.log"), env)
             log(out, f"lane {lane} {'done ' if rc == 0 else f'exit {rc}'} {s.dir}")
             if rc:
                 with lock:
@@ -480,10 +578,10 @@ def torch_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def run_all(work: list[Chain], lanes: int, argv_of, out: Path, device: str) -> list[str]:
+def run_all(work: list[Chain], lanes: int, args_of, out: Path, device: str) -> list[str]:
     queue = sorted(work, key=lambda c: -c.hours)
     lock, failed = threading.Lock(), []
-    threads = [threading.Thread(target=run_lane, args=(i, queue, lock, argv_of, out, device, failed))
+    threads = [threading.Thread(target=run_lane, args=(i, queue, lock, args_of, out, device, failed))
                for i in range(lanes)]
     for t in threads:
         t.start()
@@ -618,10 +716,10 @@ def main(argv: list[str]) -> int:
     work = chains(size, shapes, lime_ratio)
     common = ["--data", data, *[x for v in [*size.sets(), *data_sets] for x in ("--set", v)]]
 
-    def argv_of(s: Sweep) -> list[str]:
-        return sweep_argv(s, out, size, common, options, target, device)
+    def args_of(s: Sweep) -> list[str]:
+        return sweep_args(s, out, size, common, options, target, device)
 
-    probes["scan_s"], probes["startup_s"] = scan_s, startup_time(argv_of(work[0].sweeps[0]))
+    probes["scan_s"], probes["startup_s"] = scan_s, startup_time(Launcher(), args_of(work[0].sweeps[0]))
     for c in work:
         c.hours = sum(sweep_hours(probes, s, size) for s in c.sweeps)
     print_estimate(probes, work, size, lanes, device)
@@ -633,7 +731,7 @@ def main(argv: list[str]) -> int:
         print("not started")
         return 1
     start = time.time()
-    failed = run_all(work, lanes, argv_of, out, device)
+    failed = run_all(work, lanes, args_of, out, device)
     minutes = (time.time() - start) / 60
     log(out, f"study: {minutes:.1f} min")
     print(f"study: {minutes:.1f} min; {len(failed)} of {sum(len(c.sweeps) for c in work)} sweeps failed"

@@ -136,6 +136,26 @@ def test_rerun_retrains_nothing(tiny):
     assert "timing every architecture" in res.stdout
 
 
+def test_a_lane_gets_each_commands_exit_status_and_output_forked_or_as_a_process(tmp_path, monkeypatch):
+    """The Launcher, both ways: a command that works exits 0 with its output in the log; a refused one exits 1
+    with its one-line error in the log, a usage error 2, as the command's own process does."""
+    mod = study_gpu()
+    for exe in ("", f"{sys.executable} -m cemtool"):
+        monkeypatch.setenv("CEMTOOL", exe)
+        launcher = mod.Launcher()
+        assert (launcher.exe == []) == (exe == "")
+        log = tmp_path / "lane.log"
+        assert launcher.run(["archs"], str(log), {"OMP_NUM_THREADS": "1"}) == 0
+        assert "baseline" in log.read_text() and "tmm" in log.read_text()
+        assert launcher.run(["sweep", "--archs", "no-such-arch", "--out", str(tmp_path / "s")], str(log), {}) == 1
+        text = log.read_text()  # the log is rewritten by each command
+        assert text.startswith("Error: unknown architecture 'no-such-arch'") and "Traceback" not in text, text
+        assert not (tmp_path / "s").exists()
+        assert launcher.run(["sweep", "--no-such-option"], str(log), {}) == 2
+        assert "No such option" in log.read_text() and "Traceback" not in log.read_text()
+        launcher.close()
+
+
 def test_refuses_without_yes_when_stdin_is_not_a_terminal(tmp_path):
     res = run(*TINY, "--out", str(tmp_path / "s"))
     assert res.returncode != 0
