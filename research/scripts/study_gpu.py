@@ -504,6 +504,7 @@ def fork_server() -> None:
     status on a line."""
     import cemtool.cli.main  # noqa: F401  (the commands)
     import cemtool.sweep  # noqa: F401  (the sweep command's modules, torch among them)
+    import torch._dynamo  # noqa: F401  (imported by the first torch.optim optimizer a process builds: 1.1-1.4 s)
 
     for line in sys.stdin:
         request = json.loads(line)
