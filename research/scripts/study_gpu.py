@@ -502,9 +502,10 @@ def fork_server() -> None:
     """A lane's server (Launcher): imports cemtool's commands and torch once, then for each request line
     {"args", "log", "env"} forks a child that runs `cemtool ARGS` into the log, waits for it and answers its exit
     status on a line."""
+    import torch._dynamo  # noqa: F401  (imported by the first torch.optim optimizer a process builds: 1.1-1.4 s)
+
     import cemtool.cli.main  # noqa: F401  (the commands)
     import cemtool.sweep  # noqa: F401  (the sweep command's modules, torch among them)
-    import torch._dynamo  # noqa: F401  (imported by the first torch.optim optimizer a process builds: 1.1-1.4 s)
 
     for line in sys.stdin:
         request = json.loads(line)

@@ -11,7 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from cemtool.cli.main import app
 from cemtool.sweep import make_plan, run_sweep
 
 from kit import TINY, set_args
@@ -160,22 +162,22 @@ def test_bad_jobs_is_a_usage_error(tmp_path):
 
 def test_sweep_measures_the_operator_it_is_told(tmp_path):
     """`sweep -A sharpness.operator=ggn`: each item's sharpness report is of the GGN (recorded in its options, PSD
-    verdict), and the study's comparison names the operator beside its curvature columns."""
+    verdict), and the study's comparison names the operator beside its curvature columns. In this process (the
+    workers' processes are the tests above)."""
     out = tmp_path / "study"
-    args = [sys.executable, "-m", "cemtool", "sweep", "--archs", "baseline", "--seeds", "0", "--tokens",
+    args = ["sweep", "--archs", "baseline", "--seeds", "0", "--tokens",
             str(TOKENS), "--analyses", "sharpness", "-A", "sharpness.operator=ggn", "-A", "sharpness.tokens=128",
             "-A", "sharpness.top_k=1", "-A", "sharpness.bottom_k=0", "-A", "sharpness.lanczos_steps=8",
             "-A", "sharpness.trace_hvps=4", "-A", "sharpness.density_runs=0", "-A", "sharpness.landscape=none",
             "--out", str(out), "--device", "cpu", *set_args(*TINY)]
-    res = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
     reps = list(out.rglob("reports/sharpness*.json"))
     assert len(reps) == 1, reps
     rep = json.loads(reps[0].read_text())
     assert rep["options"]["operator"] == "ggn" and rep["eigen"]["top"][0] > 0
-    res = subprocess.run([sys.executable, "-m", "cemtool", "compare", str(out)], env=ENV, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(app, ["compare", str(out)])
+    assert res.exit_code == 0, res.output
     compare = json.loads((out / "reports" / "compare.json").read_text())
     assert compare["curvature_operator"] == "ggn" and compare["metrics"]["trace_per_param"] == "tr(G)/n"
     assert "tr(G)/n vs forgetting" in res.stdout and "tr(H)" not in res.stdout  # no Hessian label on a GGN

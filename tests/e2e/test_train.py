@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from cemtool.cli.main import app
 from cemtool.config import TrainConfig
 from cemtool.data.corpus import load_corpus
 from cemtool.errors import CemtoolError
@@ -79,8 +81,9 @@ def test_same_seed_identical_metrics(tmp_path, text_file):
 
 
 def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
-    """SIGKILL a real training process after its first checkpoint, resume it, compare with an uninterrupted run
-    (trained in this process). The same law for any stop step and checkpoint cadence: tests/e2e/test_resume_law.py."""
+    """SIGKILL a real training process after its first checkpoint, resume it (in this process), compare with an
+    uninterrupted run (trained in this process). The same law for any stop step and checkpoint cadence:
+    tests/e2e/test_resume_law.py."""
     extra = ["train.max_steps=120", "train.eval_every=40", "train.ckpt_every=20", "train.log_every=10"]
     ref = tmp_path / "ref"
     tiny_train(ref, *tiny_setup(text_file, *extra))
@@ -98,8 +101,8 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
     assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert not (killed / "checkpoints" / "final.safetensors").exists()
     assert json.loads((killed / "meta.json").read_text())["status"] == "running"
-    res = cli("train", "--resume", str(killed), "--quiet")
-    assert res.returncode == 0, res.stderr
+    res = CliRunner().invoke(app, ["train", "--resume", str(killed), "--quiet"])  # resumed in this process
+    assert res.exit_code == 0, res.output
     a = load_file(str(ref / "checkpoints" / "final.safetensors"))
     b = load_file(str(killed / "checkpoints" / "final.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -107,8 +110,8 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
     meta = json.loads((killed / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["resumed"] == 1
     # resuming a completed run is refused, and leaves it as it was
-    again = cli("train", "--resume", str(killed), "--quiet", check=False)
-    assert again.returncode == 1 and "already completed" in again.stderr
+    again = CliRunner().invoke(app, ["train", "--resume", str(killed), "--quiet"])
+    assert again.exit_code == 1 and "already completed" in again.output
 
 
 def _free_port():
