@@ -20,6 +20,7 @@ import heapq
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -507,11 +508,13 @@ def fork_server() -> None:
     import cemtool.cli.main  # noqa: F401  (the commands)
     import cemtool.sweep  # noqa: F401  (the sweep command's modules, torch among them)
 
+    ctrl_c = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the sweep's to handle, not the server's
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
             try:
+                signal.signal(signal.SIGINT, ctrl_c)  # as the lane's process had it (ignored in a background job)
                 cemtool_child(request["args"], request["log"], request["env"])
             finally:
                 os._exit(70)  # not reached: cemtool_child always leaves through os._exit
