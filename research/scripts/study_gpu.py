@@ -383,11 +383,10 @@ def lane_hours(work: list[Chain], lanes: int) -> float:
 
 def startup_time(launcher: Launcher, args: list[str]) -> float:
     """Seconds of a sweep's start as a lane starts it (a forked child or a process: Launcher; checking the plan),
-    timed on a --dry-run of the largest one."""
+    timed on a --dry-run of the largest one. The launcher's server stays up for the lane that gets it."""
     launcher.run(["--help"], os.devnull, {"OMP_NUM_THREADS": "1"})  # starts the server: not each sweep's start
     t0 = time.perf_counter()
     rc = launcher.run([*args, "--dry-run"], os.devnull, {"OMP_NUM_THREADS": "1"})
-    launcher.close()
     if rc:
         sys.exit(f"Error: the dry run of the first sweep failed (exit {rc}): {' '.join(launcher.argv(args))}")
     return time.perf_counter() - t0
@@ -461,7 +460,7 @@ class Launcher:
     """How a lane starts a `cemtool` command. With CEMTOOL set: that executable, one process per command. By
     default: a child forked from the lane's own server process (fork_server), which imported torch and cemtool's
     sweep command once, so that a sweep starts in milliseconds instead of the 2.5-3 s that importing torch takes
-    on a CPU core (the tiny study of research/tests runs 45 commands; research/docs/study_gpu.md). The server is a
+    on a CPU core (the tiny study of research/tests runs 44 sweeps; research/docs/study_gpu.md). The server is a
     fresh single-threaded interpreter: no lane thread and no CUDA context is forked, and each child sets its own
     CUDA_VISIBLE_DEVICES before torch touches a GPU. One Launcher serves one lane: its commands run one at a time."""
 
@@ -517,7 +516,7 @@ def fork_server() -> None:
                 signal.signal(signal.SIGINT, ctrl_c)  # as the lane's process had it (ignored in a background job)
                 cemtool_child(request["args"], request["log"], request["env"])
             finally:
-                os._exit(70)  # not reached: cemtool_child always leaves through os._exit
+                os._exit(70)  # reached only when the child fails before cemtool runs (e.g. its log cannot be opened)
         status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         print(status if status >= 0 else 128 - status, flush=True)
 
@@ -553,9 +552,9 @@ def cemtool_child(args: list[str], log_path: str, env: dict[str, str]) -> None:
     os._exit(code)
 
 
-def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, args_of, out: Path, device: str,
-             failed: list[str]) -> None:
-    launcher, env = Launcher(), {"OMP_NUM_THREADS": "1"}
+def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, args_of, launcher: Launcher, out: Path,
+             device: str, failed: list[str]) -> None:
+    env = {"OMP_NUM_THREADS": "1"}
     if device == "cuda":  # lane i on the i-th visible GPU (of CUDA_VISIBLE_DEVICES when it is set)
         gpus = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if os.environ.get("CUDA_VISIBLE_DEVICES") \
             else [str(i) for i in range(torch_device_count())]
@@ -583,11 +582,12 @@ def torch_device_count() -> int:
     return torch.cuda.device_count()
 
 
-def run_all(work: list[Chain], lanes: int, args_of, out: Path, device: str) -> list[str]:
+def run_all(work: list[Chain], launchers: list[Launcher], args_of, out: Path, device: str) -> list[str]:
+    """The chains on one lane per launcher, longest chain first to the first free lane."""
     queue = sorted(work, key=lambda c: -c.hours)
     lock, failed = threading.Lock(), []
-    threads = [threading.Thread(target=run_lane, args=(i, queue, lock, args_of, out, device, failed))
-               for i in range(lanes)]
+    threads = [threading.Thread(target=run_lane, args=(i, queue, lock, args_of, launcher, out, device, failed))
+               for i, launcher in enumerate(launchers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -724,19 +724,22 @@ def main(argv: list[str]) -> int:
     def args_of(s: Sweep) -> list[str]:
         return sweep_args(s, out, size, common, options, target, device)
 
-    probes["scan_s"], probes["startup_s"] = scan_s, startup_time(Launcher(), args_of(work[0].sweeps[0]))
+    launchers = [Launcher() for _ in range(lanes)]  # lane 0's server starts (and is timed) here
+    probes["scan_s"], probes["startup_s"] = scan_s, startup_time(launchers[0], args_of(work[0].sweeps[0]))
     for c in work:
         c.hours = sum(sweep_hours(probes, s, size) for s in c.sweeps)
     print_estimate(probes, work, size, lanes, device)
     if args.budget_minutes > 0:
         print("\n".join(budget_plan(probes, work, size, args.budget_minutes, lanes)))
     if args.estimate_only:
+        launchers[0].close()
         return 0
     if not args.yes and input("start the study? [y/N] ").strip().lower() not in ("y", "yes"):
+        launchers[0].close()
         print("not started")
         return 1
     start = time.time()
-    failed = run_all(work, lanes, args_of, out, device)
+    failed = run_all(work, launchers, args_of, out, device)
     minutes = (time.time() - start) / 60
     log(out, f"study: {minutes:.1f} min")
     print(f"study: {minutes:.1f} min; {len(failed)} of {sum(len(c.sweeps) for c in work)} sweeps failed"
