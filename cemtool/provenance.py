@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import platform
 import subprocess
 from pathlib import Path
@@ -20,8 +21,11 @@ def versions() -> dict[str, str]:
     return out
 
 
+@functools.cache
 def git_commit() -> str | None:
-    """Commit of the cemtool source tree, if it is a git checkout (with '+dirty' for local changes)."""
+    """Commit of the cemtool source tree, if it is a git checkout (with '+dirty' for local changes). Asked once
+    per process, the first time a record is written: the code a process runs is what it imported, so later edits to
+    the tree do not change it (and a sweep's items do not each pay two git calls)."""
     src = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,

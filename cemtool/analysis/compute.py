@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time as _time
 from pathlib import Path
 
 import torch
 
-from cemtool.config import RunConfig, replace, resolve
+from cemtool.config import ModelConfig, RunConfig, replace, resolve
 from cemtool.errors import ConfigError
 from cemtool.layout import is_run
 from cemtool.models.allocation import attention_budget, describe_allocation
@@ -15,6 +17,24 @@ from cemtool.models.layers import mlp_hidden
 from cemtool.models.lm import flops_per_token, lm_loss
 from cemtool.models.registry import archs, build_model
 from cemtool.runs import open_run
+
+_COUNTS: dict[tuple[str, int], dict[str, float]] = {}  # fresh_counts' memo: (model config as JSON, seq_len) -> counts
+
+
+def fresh_counts(model_cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    """Parameters and FLOPs per token of a freshly built model of ``model_cfg`` (torch's seed 0; the global RNG
+    left untouched): {"total", "non_embedding", "forward", "train"} (``num_params`` and ``flops_per_token``).
+    Both follow from the configuration and seq_len alone, so each configuration is counted once per process: a
+    sweep's seeds and grid points, and a width search's repeated rows, share their count."""
+    key = (json.dumps(dataclasses.asdict(model_cfg), sort_keys=True), seq_len)
+    if key not in _COUNTS:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = build_model(model_cfg)
+        if len(_COUNTS) >= 1024:  # a bound on the memo (each entry is a few numbers)
+            _COUNTS.clear()
+        _COUNTS[key] = {**model.num_params(), **flops_per_token(model, seq_len)}
+    return dict(_COUNTS[key])
 
 
 def sized_config(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> RunConfig:
@@ -42,19 +62,17 @@ def seconds_per_step(model: torch.nn.Module, vocab: int, seq_len: int, batch: in
 def arch_row(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64,
              timed: bool = False) -> dict:
     cfg = sized_config(arch, overrides, vocab, seq_len)
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
     spec = archs()[arch]
-    n = model.num_params()
-    fl = flops_per_token(model, seq_len)
+    n = fresh_counts(cfg.model, seq_len)
     row = {"arch": arch, "family": spec.family, "params": n["total"], "non_embedding": n["non_embedding"],
            "attn_budget": attention_budget(cfg.model),
            "layer_shapes": [f"{s['heads']}x{s['head_dim']}" for s in describe_allocation(cfg.model)["shapes"]],
-           "flops_forward": fl["forward"], "flops_train": fl["train"],
+           "flops_forward": n["forward"], "flops_train": n["train"],
            "n_layer": cfg.model.n_layer, "d_model": cfg.model.d_model,
            "mlp_hidden": mlp_hidden(cfg.model.d_model, cfg.model.mlp, cfg.model.mlp_hidden)}
     if timed:
-        row["seconds_per_step"] = seconds_per_step(model, vocab, seq_len)
+        torch.manual_seed(0)
+        row["seconds_per_step"] = seconds_per_step(build_model(cfg.model), vocab, seq_len)
     return row
 
 
@@ -82,12 +100,9 @@ def target_size(ref: str, overrides: list[str] | tuple = (), vocab: int = 512, s
     """Parameters and FLOPs/token of a reference: an architecture name (at the given size) or a run directory."""
     if is_run(Path(ref)):
         cfg = open_run(ref).config()
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        n = model.num_params()
-        fl = flops_per_token(model, cfg.data.seq_len)
+        n = fresh_counts(cfg.model, cfg.data.seq_len)
         return {"ref": ref, "arch": cfg.model.arch, "params": n["total"], "non_embedding": n["non_embedding"],
-                "flops_train": fl["train"], "vocab": cfg.model.vocab_size, "seq_len": cfg.data.seq_len}
+                "flops_train": n["train"], "vocab": cfg.model.vocab_size, "seq_len": cfg.data.seq_len}
     row = arch_row(ref, overrides, vocab, seq_len)
     return {"ref": ref, **row, "vocab": vocab, "seq_len": seq_len}
 
@@ -129,12 +144,8 @@ def match_width(target: dict, by: str = "params", arch: str = "baseline", overri
 def run_compute(cfg: RunConfig) -> dict:
     """Parameters and training FLOPs per token (forward + backward) of a run's model, from its config alone (a
     freshly built model; no checkpoint; the global RNG is left untouched)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-    n = model.num_params()
-    fl = flops_per_token(model, cfg.data.seq_len)
-    return {"params": n["total"], "non_embedding": n["non_embedding"], "flops_per_token": fl["train"],
-            "flops_forward_per_token": fl["forward"]}
+    n = fresh_counts(cfg.model, cfg.data.seq_len)
+    return {"params": n["total"], "non_embedding": n["non_embedding"], "flops_per_token": n["train"],
+            "flops_forward_per_token": n["forward"]}
 
 

@@ -141,13 +141,14 @@ def _overlapping(labels) -> bool:
     return any(b.x0 < a.x1 - 1.0 for a, b in zip(boxes, boxes[1:], strict=False))
 
 
-def untangle_ticks(fig) -> None:
+def untangle_ticks(fig) -> bool:
     """Where the x tick labels of an axis overlap once drawn: fewer ticks on a numeric axis, and slanted labels
-    where that is not enough (or the ticks are categories)."""
+    where that is not enough (or the ticks are categories). Whether it changed anything (if not, the figure's
+    layout is the one its first draw made)."""
     fig.draw_without_rendering()
     crowded = [ax for ax in fig.axes if _overlapping(ax.get_xticklabels())]
     if not crowded:
-        return
+        return False
     for ax in crowded:
         if not isinstance(ax.xaxis.get_major_locator(), FixedLocator):
             ax.xaxis.set_major_locator(MaxNLocator(nbins=3))
@@ -157,6 +158,7 @@ def untangle_ticks(fig) -> None:
             ax.tick_params(axis="x", labelrotation=35)
             for t in ax.get_xticklabels():
                 t.set(ha="right", rotation_mode="anchor")
+    return True
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -252,10 +254,14 @@ def title_overflow(fig) -> list[str]:
 SLACK = 0.95  # wrap to this share of the room: the wrapped lines move the axes a little once laid out again
 
 
-def fit_titles(fig) -> None:
-    """Wrap every title and axis label that is longer than its axes (or the figure) onto more lines, at spaces."""
-    fig.draw_without_rendering()
+def fit_titles(fig, drawn: bool = False) -> bool:
+    """Wrap every title and axis label that is longer than its axes (or the figure) onto more lines, at spaces
+    (``drawn``: the figure is laid out as it stands, so it is measured without another draw). Whether it changed
+    anything: if not, every title and label is within SLACK of its room in the current layout."""
+    if not drawn:
+        fig.draw_without_rendering()
     r = fig.canvas.get_renderer()
+    changed = False
     for t, avail, side in _titles(fig):
         text = " ".join(t.get_text().split())
         length = getattr(t.get_window_extent(r), side)
@@ -264,8 +270,11 @@ def fit_titles(fig) -> None:
             chars = max(8, int(chars * min(0.95, avail * SLACK / length)))
             t.set_text(textwrap.fill(text, chars, break_on_hyphens=False))
             length = getattr(t.get_window_extent(r), side)
+            changed = True
         if length > avail:  # a single word longer than the axes: a smaller font
             t.set_fontsize(t.get_fontsize() * avail / length)
+            changed = True
+    return changed
 
 
 def _preset_fonts(fig, base: float) -> None:
@@ -282,15 +291,18 @@ def _preset_fonts(fig, base: float) -> None:
 def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None = None) -> list[Path]:
     """Save ``plots/<name>.<format>`` for every format in ``formats`` (default: those of :func:`output`, PNG and
     SVG unless told otherwise) atomically (runs.atomic_write_bytes: no links followed inside a run); close the
-    figure. Titles that would be wider than their axes are wrapped first."""
+    figure. Titles that would be wider than their axes are wrapped first. The layout those checks measured is
+    kept for every format (the layout engine is switched off before writing): each format is one draw, and the
+    PNG, PDF and SVG of a figure have the same geometry."""
     d = Path(plots_dir)
     if _OUTPUT["size"]:
         _preset_fonts(fig, SIZES[_OUTPUT["size"]][1])
-    untangle_ticks(fig)
+    drawn = not untangle_ticks(fig)  # unchanged: laid out as it stands
     for _ in range(3):  # again while the wrapped lines, laid out, moved the axes
-        fit_titles(fig)
-        if not title_overflow(fig):
-            break
+        if not fit_titles(fig, drawn) or not title_overflow(fig):
+            break  # either way the last draw came after the last change: the layout is current
+        drawn = True  # title_overflow laid it out again
+    fig.set_layout_engine("none")  # keep that layout (each savefig would lay the figure out twice more)
     dpi = SIZES[_OUTPUT["size"]][2] if _OUTPUT["size"] else 130
     paths = []
     for ext in formats or _OUTPUT["formats"]:

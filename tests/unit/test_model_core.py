@@ -6,11 +6,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
 
+from cemtool.analysis.compute import fresh_counts
 from cemtool.config import replace, resolve
 from cemtool.models import attention_impl, build_model, capture, causal_attention, flops_per_token, hook_points
 
-from kit import tiny_model
+from kit import tiny_config, tiny_model
 
 VOCAB, T = 40, 12
 
@@ -113,3 +115,20 @@ def test_param_count_and_flops_closed_form():
     attn = L * 2 * 2 * T * d  # scores and weighted sum, dense T x T
     assert f["forward"] == pytest.approx(matmul + attn)
     assert f["train"] == pytest.approx(3 * f["forward"], rel=0.05)
+
+
+def test_training_flops_are_a_forward_and_its_backward_and_counted_once_per_config():
+    """flops_per_token's train count against counting forward and backward together under one counter, and
+    fresh_counts' memo against fresh counts: equal for the same config, different for a changed one."""
+    for arch in ("baseline", "tmm", "lime"):
+        model = tiny_model(arch, vocab=VOCAB, seq_len=T)
+        both = FlopCounterMode(display=False)
+        with both, attention_impl("explicit"):
+            model(torch.zeros(1, T, dtype=torch.long)).float().sum().backward()
+        f = flops_per_token(model, T)
+        assert f["train"] == both.get_total_flops() / T and f["train"] > 2 * f["forward"] > 0, arch
+        cfg = tiny_config(arch, vocab=VOCAB, seq_len=T)
+        counts = fresh_counts(cfg, T)
+        assert counts == {**model.num_params(), **f} and fresh_counts(cfg, T) == counts, arch
+        wider = fresh_counts(replace(cfg, d_model=32), T)
+        assert wider["train"] > counts["train"] and wider["total"] > counts["total"], arch
