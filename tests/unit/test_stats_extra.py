@@ -62,6 +62,17 @@ def test_partial_spearman_two_covariates_and_too_few_points():
     assert partial_spearman([1.0, 2.0, 3.0], [1.0, 2.0, 3.0], {"a": [1.0, 2.0, 3.0]})["rho"] is None
 
 
+def test_spearman_of_means_is_scipys_with_and_without_ties():
+    rng = np.random.default_rng(3)
+    for n, tied in ((5, False), (9, True), (30, True)):
+        x, y = rng.normal(size=n), rng.normal(size=n)
+        if tied:  # repeated values, as a bootstrap that draws an architecture twice makes
+            x[1::3], y[::4] = x[0], y[2]
+        m = list(zip(x, y, strict=True))
+        assert spearman_of_means(m) == pytest.approx(stats.spearmanr(x, y).statistic, abs=1e-14), (n, tied)
+    assert spearman_of_means([(1.0, 2.0), (1.0, 3.0), (1.0, 1.0)]) is None  # a constant side
+
+
 def test_hierarchical_bootstrap_matches_a_hand_loop():
     groups = {"a": [(1.0, 2.0), (1.2, 2.1)], "b": [(2.0, 1.0), (2.5, 1.4), (2.2, 1.1)], "c": [(3.0, 3.0), (3.3, 2.9)],
               "d": [(4.0, 3.5), (4.1, 3.9)]}
