@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
+import functools
 import time as _time
 from pathlib import Path
 
@@ -18,23 +17,21 @@ from cemtool.models.lm import flops_per_token, lm_loss
 from cemtool.models.registry import archs, build_model
 from cemtool.runs import open_run
 
-_COUNTS: dict[tuple[str, int], dict[str, float]] = {}  # fresh_counts' memo: (model config as JSON, seq_len) -> counts
-
 
 def fresh_counts(model_cfg: ModelConfig, seq_len: int) -> dict[str, float]:
     """Parameters and FLOPs per token of a freshly built model of ``model_cfg`` (torch's seed 0; the global RNG
     left untouched): {"total", "non_embedding", "forward", "train"} (``num_params`` and ``flops_per_token``).
     Both follow from the configuration and seq_len alone, so each configuration is counted once per process: a
     sweep's seeds and grid points, and a width search's repeated rows, share their count."""
-    key = (json.dumps(dataclasses.asdict(model_cfg), sort_keys=True), seq_len)
-    if key not in _COUNTS:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            model = build_model(model_cfg)
-        if len(_COUNTS) >= 1024:  # a bound on the memo (each entry is a few numbers)
-            _COUNTS.clear()
-        _COUNTS[key] = {**model.num_params(), **flops_per_token(model, seq_len)}
-    return dict(_COUNTS[key])
+    return dict(_counts(model_cfg, seq_len))
+
+
+@functools.lru_cache(maxsize=1024)  # ModelConfig is a frozen dataclass: hashable, equal when every field is
+def _counts(model_cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build_model(model_cfg)
+    return {**model.num_params(), **flops_per_token(model, seq_len)}
 
 
 def sized_config(arch: str, overrides: list[str] | tuple = (), vocab: int = 512, seq_len: int = 64) -> RunConfig:
