@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import start as procs_start
 
 from cemtool import distributed
 from cemtool.analysis.collapse import collapse_report
@@ -99,14 +100,15 @@ def _free_port() -> int:
 
 
 def _ranks(cmd: list[str], world: int, **env) -> list[subprocess.CompletedProcess]:
-    """``cmd`` in ``world`` processes with the environment torchrun gives its workers (without its launcher)."""
+    """``cmd`` in ``world`` processes with the environment torchrun gives its workers (without its launcher),
+    each forked from tests/procs.py's server (the real torchrun launcher: tests/e2e/test_train.py, test_jobs.py)."""
     port = str(_free_port())
     procs = []
     for rank in range(world):
         e = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
              "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
              "CEMTOOL_DIST_TIMEOUT": "30", **env}
-        procs.append(subprocess.Popen(cmd, env=e, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(procs_start(cmd, env=e))
     return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
 
 

@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -206,9 +207,8 @@ def test_sigterm_and_sigint_checkpoint_the_step_they_stop_at_and_resume_bit_exac
     assert invoke("train", "--data", text_file, "--out", ref, "--quiet", *LONG).exit_code == 0
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         run = tmp_path / sig.name
-        proc = subprocess.Popen([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run),
-                                 "--quiet", *LONG], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = procs.start([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run),
+                            "--quiet", *LONG], env=ENV)  # a process of its own, forked (tests/procs.py)
         deadline = time.time() + 120
         while _logged_step(run) < 30 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
@@ -242,20 +242,19 @@ def test_a_rank_killed_mid_training_is_one_line_and_marks_the_run_failed(tmp_pat
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     run = tmp_path / "run"
-    procs = []
+    ranks = []
     for rank in (0, 1):  # the environment torchrun gives its workers (without its launcher, which would SIGTERM)
         env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank),
                "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "CEMTOOL_DIST_TIMEOUT": "30"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out",
-                                       str(run), "--quiet", "--device", "cpu", *LONG], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        ranks.append(procs.start([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run),
+                                  "--quiet", "--device", "cpu", *LONG], env=env))  # forked (tests/procs.py)
     deadline = time.time() + 120
-    while _logged_step(run) < 30 and procs[0].poll() is None and time.time() < deadline:
+    while _logged_step(run) < 30 and ranks[0].poll() is None and time.time() < deadline:
         time.sleep(0.005)
-    procs[1].kill()
-    procs[1].wait()
-    out, err = procs[0].communicate(timeout=120)
-    assert procs[0].returncode == 1, (procs[0].returncode, err[-2000:])
+    ranks[1].kill()
+    ranks[1].wait()
+    out, err = ranks[0].communicate(timeout=120)
+    assert ranks[0].returncode == 1, (ranks[0].returncode, err[-2000:])
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) <= 2 and lines[0].startswith("Error: rank 0: training step "), err[-2000:]
     assert "another process of the training died or timed out" in lines[0] and "internal error" not in err

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -28,9 +29,9 @@ from kit import TINY, set_args, tiny_config, tiny_setup, tiny_train
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
-def cli(*args, check=True, **kw):
-    return subprocess.run([sys.executable, "-m", "cemtool", *args], env=ENV, capture_output=True, text=True,
-                          check=check, **kw)
+def cli(*args) -> subprocess.CompletedProcess:
+    """`cemtool ARGS` in a process of its own, forked from tests/procs.py's server."""
+    return procs.run([sys.executable, "-m", "cemtool", *args], env=ENV)
 
 
 def sets(extra=()):
@@ -69,7 +70,7 @@ def test_param_groups_decay_and_custom(tiny_run):
 
 
 def test_same_seed_identical_metrics(tmp_path, text_file):
-    """The same seed gives the same metrics in this process (the kit's in-process training) as in a fresh
+    """The same seed gives the same metrics in this process (the kit's in-process training) as in another
     `cemtool train` process; another seed other losses."""
     tiny_train(tmp_path / "a", *tiny_setup(text_file))
     b = cli("train", "--data", text_file, "--out", str(tmp_path / "b"), "--quiet", *sets())

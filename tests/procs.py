@@ -1,0 +1,280 @@
+"""Child processes for the end-to-end tests that start several Python processes (the ranks of a distributed
+command, a training stopped by a signal): each is forked from one server process per pytest worker that has
+imported torch, torch._dynamo (which torch.optim imports with a process's first optimizer) and cemtool's commands
+once, so that it starts in milliseconds instead of the ~3.5 s those imports take on a CPU core.
+
+Each child is still a process of its own: its own pid, memory, signals, exit status and file descriptors (ranks
+talk over gloo's TCP as torchrun's would). It runs ``python -m MODULE ...``, ``python SCRIPT ...`` or
+``python -c CODE ...`` as a fresh interpreter would (``sys.argv``, ``sys.path[0]``, ``__main__``, the
+environment it is given, stdin from /dev/null, its output to files), and leaves as one would: ``SystemExit``'s
+status, the interpreter's exit handlers, flushed output. What it shares with the server is only what the
+imports made (the server runs nothing else and starts no thread before it forks). research/scripts/study_gpu.py's
+lanes start their sweeps the same way. Tests about a fresh interpreter (what an import costs or pulls in, the
+real torchrun launcher, a real SIGKILL of `cemtool train`) keep subprocess.Popen.
+
+    child = start([sys.executable, "-m", "cemtool", "train", ...], env={...})
+    out, err = child.communicate(timeout=120)  # child.returncode: as Popen's (-N for signal N)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+IMPORT_TIME = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # read once, by the server's import of torch (as 1)
+
+
+class Child:
+    """One forked child: Popen's pid, poll, wait, communicate, send_signal, kill and returncode."""
+
+    def __init__(self, server: Server, pid: int, key: int, out: Path, err: Path, args: list[str]):
+        self.server, self.pid, self.key, self.out, self.err, self.args = server, pid, key, out, err, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.server.collect(0.0)
+            self.returncode = self.server.statuses.get(self.key)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.server.collect(0.05 if left is None else min(0.05, left))
+        return self.returncode
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        return self.out.read_text(errors="replace"), self.err.read_text(errors="replace")
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Server:
+    """The forking server (``serve`` in a fresh interpreter) and the replies it sends: a child's pid when it is
+    forked, its exit status when it ends."""
+
+    def __init__(self):
+        env = {**os.environ, **dict.fromkeys(IMPORT_TIME, "1")}  # the tests' one thread per process
+        code = f"import sys; sys.path.insert(0, {str(TESTS)!r}); import procs; procs.serve()"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env)
+        self.tmp = Path(tempfile.mkdtemp(prefix="procs-"))
+        self.pending = b""
+        self.pids: dict[int, int] = {}
+        self.statuses: dict[int, int] = {}
+        self.count = 0
+
+    def start(self, args: list[str], env: dict[str, str], cwd: str | None, new_session: bool,
+              ignore_sigint: bool) -> Child:
+        self.count += 1
+        key = self.count
+        out, err = self.tmp / f"{key}.out", self.tmp / f"{key}.err"
+        out.touch()  # readable at once (the child truncates and fills them)
+        err.touch()
+        request = {"key": key, "argv": args[1:], "env": env, "cwd": cwd or os.getcwd(), "stdout": str(out),
+                   "stderr": str(err), "new_session": new_session, "ignore_sigint": ignore_sigint}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        while key not in self.pids:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the test process server ended (exit {self.proc.returncode})")
+            self.collect(1.0)
+        return Child(self, self.pids[key], key, out, err, args)
+
+    def collect(self, timeout: float) -> None:
+        """Read the replies that have arrived (waiting up to ``timeout`` seconds for the first)."""
+        fd = self.proc.stdout.fileno()
+        while select.select([fd], [], [], timeout)[0]:
+            data = os.read(fd, 65536)
+            if not data:
+                return
+            self.pending += data
+            *lines, self.pending = self.pending.split(b"\n")
+            for line in lines:
+                reply = json.loads(line)
+                if "pid" in reply:
+                    self.pids[reply["key"]] = reply["pid"]
+                else:
+                    self.statuses[reply["key"]] = reply["status"]
+            timeout = 0.0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the server kills the children still running and leaves
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for p in self.tmp.iterdir():
+            p.unlink()
+        self.tmp.rmdir()
+
+
+_server: Server | None = None
+
+
+def start(args: list[str], env: dict[str, str] | None = None, cwd: str | None = None, new_session: bool = False,
+          ignore_sigint: bool = False) -> Child:
+    """``args`` = [sys.executable, "-m", MODULE | SCRIPT | "-c", CODE, ...] as a forked child with ``env``
+    (default: this process's), in its own session with ``new_session`` (as Popen's start_new_session), SIGINT
+    ignored with ``ignore_sigint`` (as a shell's background job)."""
+    global _server
+    env = dict(os.environ if env is None else env)
+    if args[0] != sys.executable:
+        raise ValueError(f"a child runs this interpreter's Python, not {args[0]}")
+    for key in IMPORT_TIME:
+        if env.get(key, "1" if key != "OMP_NUM_THREADS" else None) != "1":
+            raise ValueError(f"{key}={env.get(key)}: torch reads it when it is imported, and the server imported "
+                             "it as 1; start a fresh process (subprocess.Popen) instead")
+    if _server is None or _server.proc.poll() is not None:
+        _server = Server()
+        atexit.register(_server.close)
+    return _server.start(args, env, cwd, new_session, ignore_sigint)
+
+
+def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    """``start`` and wait: subprocess.run(args, capture_output=True, text=True)'s result."""
+    child = start(args, env, **kw)
+    out, err = child.communicate(timeout)
+    return subprocess.CompletedProcess(args, child.returncode, out, err)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the server side
+
+
+def serve() -> None:
+    """Import once, then for each request line fork a child that runs it; answer {"key", "pid"} when forked and
+    {"key", "status"} (as Popen's returncode) when it ends. When the requests end, the children left are killed."""
+    import torch._dynamo  # noqa: F401  (torch.optim imports it with a process's first optimizer: 1.1-1.5 s)
+    import torch.distributed  # noqa: F401
+
+    import cemtool.cli.main  # noqa: F401  (the commands and what they import)
+    import cemtool.sweep  # noqa: F401
+
+    sys.path.remove(str(TESTS))  # put there to import this module: a child's sys.path is the interpreter's own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is pytest's; each child resets it
+    children: dict[int, int] = {}
+    pending = b""
+    stdin_open = True
+    while stdin_open or children:
+        if stdin_open and select.select([0], [], [], 0.01)[0]:
+            data = os.read(0, 65536)
+            if not data:
+                stdin_open = False
+                for pid in children:
+                    _kill(pid)
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                request = json.loads(line)
+                pid = os.fork()
+                if pid == 0:
+                    _child(request)  # never returns
+                children[pid] = request["key"]
+                _reply({"key": request["key"], "pid": pid})
+        elif not stdin_open:
+            time.sleep(0.01)
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _reply({"key": children.pop(pid), "status": os.waitstatus_to_exitcode(status)})
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _reply(obj: dict) -> None:
+    os.write(1, (json.dumps(obj) + "\n").encode())
+
+
+def _child(request: dict) -> None:
+    """In the forked child: become the requested interpreter run, then leave with its status."""
+    code = 1
+    try:
+        if request["new_session"]:
+            os.setsid()
+        signal.signal(signal.SIGINT, signal.SIG_IGN if request["ignore_sigint"] else signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[1:1] = extra  # as the interpreter reads PYTHONPATH at its start (after sys.path[0])
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY),
+                                (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            f = os.open(path, flags, 0o644)
+            os.dup2(f, fd)
+            os.close(f)
+        code = _exit_status(_run, request["argv"])
+        import atexit as exits
+
+        exits._run_exitfuncs()  # as the interpreter does at its end (cemtool.distributed registers one)
+    except BaseException:  # noqa: BLE001  (whatever failed, the child leaves here and says why)
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _exit_status(fn, argv: list[str]) -> int:
+    """The status the interpreter would leave with after running ``fn(argv)``: 0, SystemExit's code, or 1 after
+    an uncaught exception's traceback."""
+    try:
+        fn(argv)
+        return 0
+    except SystemExit as e:
+        if e.code is None:
+            return 0
+        if isinstance(e.code, int):
+            return e.code
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        return 1
+
+
+def _run(argv: list[str]) -> None:
+    import runpy
+
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's file first
+        sys.path[0] = os.getcwd()
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        runpy.run_path(argv[0], run_name="__main__")
