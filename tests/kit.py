@@ -12,6 +12,8 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+import typer.main  # noqa: E402
+import typer.testing  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from cemtool.cli.main import app  # noqa: E402
@@ -24,6 +26,24 @@ from cemtool.train import finalize_model_config, train  # noqa: E402
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+
+# --------------------------------------------------------------------------------------------------------------
+# the CLI in this process: typer.testing's CliRunner().invoke(app, ...) builds the click command of `app` again at
+# every call (typer.main.get_command: ~0.07 s, most of it evaluating the commands' string annotations), some 900
+# times in the suite (~60 s of CPU under cProfile's count). Nothing changes an app after its import, so each app's
+# command is built once per process and reused (click makes a new Context for each invocation); an app whose
+# commands, groups or callback changed is built again.
+
+
+def _command_once(typer_app, _built: dict = {}):  # noqa: B006  (the memo: one entry per app)
+    state = (len(typer_app.registered_commands), len(typer_app.registered_groups), typer_app.registered_callback)
+    hit = _built.get(id(typer_app))
+    if hit is None or hit[0] is not typer_app or hit[1] != state:
+        hit = _built[id(typer_app)] = (typer_app, state, typer.main.get_command(typer_app))
+    return hit[2]
+
+
+typer.testing._get_command = _command_once
 
 # --------------------------------------------------------------------------------------------------------------
 # tiny models and tokens (no data, no run directory)
