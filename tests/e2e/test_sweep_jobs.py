@@ -5,11 +5,11 @@ numbers."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import procs
 import pytest
 from typer.testing import CliRunner
 
@@ -21,7 +21,8 @@ from kit import TINY, set_args
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TOKENS = 30 * 8 * 16  # TINY: 30 steps of 8 x 16 tokens
 ARCHS, SEEDS = "baseline,tmm", "0,1"
-COLLAPSE = ["-A", "collapse.tokens=2048", "-A", "collapse.per_class=16"]
+COLLAPSE = ["-A", "collapse.tokens=2048", "-A", "collapse.per_class=16", "-A", "collapse.folds=2"]  # (2 folds: 2 of
+# the 5 probe fits a report costs; equal numbers both ways are the point here)
 
 
 def sweep_cmd(out: Path, *extra: str, seeds: str = SEEDS) -> list[str]:
@@ -65,14 +66,15 @@ def alive(pid: int) -> bool:
 def serial(tmp_path_factory):
     out = tmp_path_factory.mktemp("serial") / "study"
     plan = make_plan(ARCHS, SEEDS, tokens=TOKENS, overrides=TINY, analyses="collapse",
-                     options={"collapse": {"tokens": 2048, "per_class": 16}})
+                     options={"collapse": {"tokens": 2048, "per_class": 16, "folds": 2}})
     return out, run_sweep(out, plan, device="cpu")
 
 
 def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
     serial_dir, serial = serial
     out = tmp_path / "study"
-    res = subprocess.run(sweep_cmd(out, "--jobs", "2"), env=ENV, capture_output=True, text=True, timeout=600)
+    res = procs.run(sweep_cmd(out, "--jobs", "2"), env=ENV, timeout=600)  # forked (tests/procs.py); its workers:
+    # multiprocessing's spawn, fresh interpreters
     assert res.returncode == 0, res.stderr
     assert "2 workers on cpu" in res.stdout + res.stderr
     assert (res.stdout + res.stderr).count("training: completed at step 30") == 4  # every end, from study.json
@@ -90,8 +92,7 @@ def test_jobs_give_the_numbers_of_one_at_a_time(serial, tmp_path):
     # a rerun with workers finds nothing to do and says so, but checks the finished items as a serial rerun does:
     # a report that went missing is made again
     (out / "tmm-s1" / "reports" / "collapse.json").unlink()
-    again = subprocess.run(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, capture_output=True, text=True,
-                           timeout=300)
+    again = procs.run(sweep_cmd(out, "--jobs", "2", "-q"), env=ENV, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "0 workers" in again.stdout + again.stderr
     assert (out / "tmm-s1" / "reports" / "collapse.json").exists()
@@ -105,13 +106,11 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     # Ctrl-C's grace time below (with 4 items a worker could finish its last one in that time and exit as it should)
     seeds = "0,1,2,3,4,5"
     cmd = sweep_cmd(out, "--jobs", "2", "-q", seeds=seeds)
-    # started as a script's background job is: SIGINT ignored, in its own process group
-    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    # started as a script's background job is: SIGINT ignored, in its own process group (forked: tests/procs.py)
+    proc = procs.start(cmd, env=ENV, new_session=True, ignore_sigint=True)
     deadline, workers, tracker = time.time() + 300, set(), set()
     while True:
-        assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.stderr.read()}"
+        assert proc.poll() is None, f"the sweep ended before it could be stopped: {proc.communicate()[1]}"
         assert time.time() < deadline, "no item completed"
         # named by what they run: a worker runs multiprocessing's spawn_main, the resource tracker its own main;
         # any other child (a git call, a child between fork and exec) is neither
@@ -135,7 +134,7 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
     assert "interrupted" not in {i["status"] for i in manifest(out)["items"]}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
-    assert "interrupted" in proc.stderr.read()
+    assert "interrupted" in proc.communicate()[1]
     assert not [p for p in workers if alive(p)]  # the sweep joined them
     deadline = time.time() + 10  # the tracker exits when it sees its pipe close, just after the sweep
     while [p for p in tracker if alive(p)] and time.time() < deadline:
@@ -157,8 +156,7 @@ def test_sigterm_stops_the_workers_and_the_study_resumes(serial, tmp_path):
 
 
 def test_bad_jobs_is_a_usage_error(tmp_path):
-    res = subprocess.run(sweep_cmd(tmp_path / "s", "--jobs", "0"), env=ENV, capture_output=True, text=True,
-                         timeout=120)
+    res = procs.run(sweep_cmd(tmp_path / "s", "--jobs", "0"), env=ENV, timeout=120)
     assert res.returncode == 2 and "--jobs" in res.stderr and "Traceback" not in res.stderr
 
 
