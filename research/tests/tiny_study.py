@@ -1,6 +1,6 @@
 """The tiny GPU study of research/tests/test_study_gpu.py (research/scripts/study_gpu.sh --tiny on two CPU lanes):
---estimate-only, then the whole study, then the same command again (a rerun, which must retrain nothing), in one
-folder. It takes minutes of CPU, so research/tests/conftest.py starts
+--estimate-only, then the whole study, then the command again on one lane (a rerun, which must retrain nothing), in
+one folder. It takes minutes of CPU, so research/tests/conftest.py starts
 it in the background as soon as the collected tests include one that needs it, and it runs beside the rest of the
 suite; the test module's `tiny` fixture waits for it (or runs it then, if nothing started it)."""
 
@@ -78,7 +78,9 @@ class TinyStudy:
             log = self.out / "study.log"
             assert res.returncode == 0, res.stdout + res.stderr + (log.read_text() if log.exists() else "")
             before = meta_mtimes(self.out)
-            rerun = {"before": before, "res": self._script(*whole) if not self.stopped else None}
+            again = [*TINY, "--yes", "--gpus", "1", "--out", str(self.out)]  # one lane: one server to start, for
+            # a rerun that finds every sweep done
+            rerun = {"before": before, "res": self._script(*again) if not self.stopped else None}
             self.value = {"out": self.out, "res": res, "estimate_only": estimate_only, "rerun": rerun}
         except BaseException as e:  # handed to the test that waits
             self.error = e
