@@ -23,6 +23,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -149,6 +150,17 @@ def start(args: list[str], env: dict[str, str] | None = None, cwd: str | None = 
         _server = Server()
         atexit.register(_server.close)
     return _server.start(args, env, cwd, new_session, ignore_sigint)
+
+
+def ranks(args: list[str], world: int, env: dict[str, str] | None = None) -> list[Child]:
+    """``args`` in ``world`` children with the environment torchrun gives its workers (one node, a free port on
+    127.0.0.1), without its launcher: rank r is the r-th child."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    base = dict(os.environ if env is None else env)
+    return [start(args, {**base, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(r), "LOCAL_RANK": str(r),
+                         "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world)}) for r in range(world)]
 
 
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import procs
 import pytest
 import torch
-from procs import start as procs_start
 
 from cemtool import distributed
 from cemtool.analysis.collapse import collapse_report
@@ -93,23 +92,12 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(cmd: list[str], world: int, **env) -> list[subprocess.CompletedProcess]:
     """``cmd`` in ``world`` processes with the environment torchrun gives its workers (without its launcher),
     each forked from tests/procs.py's server (the real torchrun launcher: tests/e2e/test_train.py, test_jobs.py)."""
-    port = str(_free_port())
-    procs = []
-    for rank in range(world):
-        e = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-             "CEMTOOL_DIST_TIMEOUT": "30", **env}
-        procs.append(procs_start(cmd, env=e))
-    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate()) for p in procs]
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "CEMTOOL_DIST_TIMEOUT": "30", **env}
+    return [subprocess.CompletedProcess(p.args, p.wait(timeout=120), *p.communicate())
+            for p in procs.ranks(cmd, world, e)]
 
 
 def _launch(tmp_path: Path, world: int, **env) -> list[subprocess.CompletedProcess]:

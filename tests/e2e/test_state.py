@@ -236,18 +236,10 @@ def test_sigterm_and_sigint_checkpoint_the_step_they_stop_at_and_resume_bit_exac
 
 
 def test_a_rank_killed_mid_training_is_one_line_and_marks_the_run_failed(tmp_path, text_file):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     run = tmp_path / "run"
-    ranks = []
-    for rank in (0, 1):  # the environment torchrun gives its workers (without its launcher, which would SIGTERM)
-        env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "CEMTOOL_DIST_TIMEOUT": "30"}
-        ranks.append(procs.start([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run),
-                                  "--quiet", "--device", "cpu", *LONG], env=env))  # forked (tests/procs.py)
+    ranks = procs.ranks([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run), "--quiet",
+                         "--device", "cpu", *LONG], 2, {**ENV, "CEMTOOL_DIST_TIMEOUT": "30"})
+    # (torchrun's environment without its launcher, which would SIGTERM the other rank; forked: tests/procs.py)
     deadline = time.time() + 120
     while _logged_step(run) < 30 and ranks[0].poll() is None and time.time() < deadline:
         time.sleep(0.005)

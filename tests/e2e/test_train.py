@@ -145,10 +145,11 @@ def test_ddp_two_processes_match_one(tmp_path, text_file):
     (three / "checkpoints" / "final.safetensors").unlink()
     meta = json.loads((three / "meta.json").read_text())
     (three / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(_free_port()), "-m", "cemtool", "train", "--resume", str(three), "--quiet"],
-                         env=ENV, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    # (the resume's 2 ranks in torchrun's environment, forked (tests/procs.py); the run above had the launcher)
+    ranks = procs.ranks([sys.executable, "-m", "cemtool", "train", "--resume", str(three), "--quiet"], 2, ENV)
+    for rank in ranks:
+        _, err = rank.communicate(timeout=300)
+        assert rank.returncode == 0, err[-2000:]
     assert losses(three) == losses(two)
     w3 = load_file(str(three / "checkpoints" / "final.safetensors"))
     assert all(torch.equal(w2[k], w3[k]) for k in w2)
