@@ -115,18 +115,27 @@ def meta_unchanged(ws: Path) -> str | None:
 
 
 def fail_fsync(marker: str) -> Callable[[], Callable[[], None]]:
-    """Disk full (ENOSPC) on every file whose name contains ``marker`` (Linux: /proc/self/fd)."""
+    """Disk full (ENOSPC) on every file whose name contains ``marker`` (Linux: /proc/self/fd), with writes flushed
+    to disk while it lasts (CEMTOOL_FSYNC=0, as the test suite sets it, would skip the fsync that fails)."""
 
     def install() -> Callable[[], None]:
-        real = os.fsync
+        real, flag = os.fsync, os.environ.get("CEMTOOL_FSYNC")
 
         def fsync(fd):
             if marker in os.readlink(f"/proc/self/fd/{fd}"):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             return real(fd)
 
+        def restore() -> None:
+            os.fsync = real
+            if flag is None:
+                os.environ.pop("CEMTOOL_FSYNC", None)
+            else:
+                os.environ["CEMTOOL_FSYNC"] = flag
+
         os.fsync = fsync
-        return lambda: setattr(os, "fsync", real)
+        os.environ["CEMTOOL_FSYNC"] = "1"
+        return restore
 
     return install
 

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# writes are renamed into place but not flushed to disk (cemtool.writes.flush_to_disk): atomic against the kills the
+# tests make, without waiting ~8 ms a file for the disk; the processes the tests start inherit it
+os.environ.setdefault("CEMTOOL_FSYNC", "0")
 
 import torch  # noqa: E402
 import typer.main  # noqa: E402

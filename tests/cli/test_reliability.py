@@ -136,7 +136,9 @@ def test_killed_run_is_listed_as_stopped(tmp_path):
 
 
 def _fail_fsync_for(monkeypatch, suffix: str):
-    """Make fsync fail with 'No space left on device' for files whose name contains ``suffix`` (Linux /proc)."""
+    """Make fsync fail with 'No space left on device' for files whose name contains ``suffix`` (Linux /proc), with
+    writes flushed to disk (the suite's CEMTOOL_FSYNC=0 undone: tests/kit.py)."""
+    monkeypatch.setenv("CEMTOOL_FSYNC", "1")
     real = os.fsync
 
     def fsync(fd):
@@ -145,6 +147,22 @@ def _fail_fsync_for(monkeypatch, suffix: str):
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
+
+
+def test_writes_are_flushed_to_disk_unless_told_not_to(tmp_path, monkeypatch):
+    """fsync before the rename by default (and with any value but 0); CEMTOOL_FSYNC=0 renames without it."""
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    for value, want in ((None, 1), ("1", 1), ("yes", 1), ("0", 0)):
+        if value is None:
+            monkeypatch.delenv("CEMTOOL_FSYNC", raising=False)
+        else:
+            monkeypatch.setenv("CEMTOOL_FSYNC", value)
+        synced.clear()
+        atomic_write_bytes(tmp_path / "f.json", b"{}")
+        assert len(synced) == want and (tmp_path / "f.json").read_bytes() == b"{}", value
+    assert [p.name for p in tmp_path.iterdir()] == ["f.json"]  # renamed into place either way
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc/self/fd")
