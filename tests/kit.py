@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository
 # every call (typer.main.get_command: ~0.07 s, most of it evaluating the commands' string annotations), some 900
 # times in the suite (~60 s of CPU under cProfile's count). Nothing changes an app after its import, so each app's
 # command is built once per process and reused (click makes a new Context for each invocation); an app whose
-# commands, groups or callback changed is built again.
+# number of commands or groups, or whose callback, changed is built again.
 
 
 def _command_once(typer_app, _built: dict = {}):  # noqa: B006  (the memo: one entry per app)

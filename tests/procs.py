@@ -1,16 +1,20 @@
 """Child processes for the end-to-end tests that start several Python processes (the ranks of a distributed
 command, a training stopped by a signal): each is forked from one server process per pytest worker that has
-imported torch, torch._dynamo (which torch.optim imports with a process's first optimizer) and cemtool's commands
-once, so that it starts in milliseconds instead of the ~3.5 s those imports take on a CPU core.
+imported torch, torch._dynamo (which torch.optim imports with a process's first optimizer) and torch.distributed
+once, so that it starts in a fraction of a second instead of the ~3.5 s those imports take on a CPU core.
 
-Each child is still a process of its own: its own pid, memory, signals, exit status and file descriptors (ranks
-talk over gloo's TCP as torchrun's would). It runs ``python -m MODULE ...``, ``python SCRIPT ...`` or
-``python -c CODE ...`` as a fresh interpreter would (``sys.argv``, ``sys.path[0]``, ``__main__``, the
-environment it is given, stdin from /dev/null, its output to files), and leaves as one would: ``SystemExit``'s
-status, the interpreter's exit handlers, flushed output. What it shares with the server is only what the
-imports made (the server runs nothing else and starts no thread before it forks). research/scripts/study_gpu.py's
-lanes start their sweeps the same way. Tests about a fresh interpreter (what an import costs or pulls in, the
-real torchrun launcher, a real SIGKILL of `cemtool train`) keep subprocess.Popen.
+Each child is a process of its own: its own pid, memory, signals, exit status and file descriptors (ranks talk
+over gloo's TCP as torchrun's would). It runs ``python -m MODULE ...``, ``python SCRIPT ...`` or
+``python -c CODE ...`` as a fresh interpreter would: ``sys.argv``, ``sys.path[0]`` and PYTHONPATH, ``__main__``,
+the environment it is given, stdin from /dev/null, its output to files, and what the server's imports printed on
+stderr. cemtool itself is imported by each child, so what cemtool reads from the environment at import (RANK,
+CEMTOOL_DEBUG) is the child's. It leaves with SystemExit's status (an uncaught KeyboardInterrupt as SIGINT, as
+Python does), after waiting for its threads and running the exit handlers, with its output flushed; what it skips
+is the interpreter's final teardown (module and C++ destructors), which cemtool's distributed commands skip too
+(cemtool.distributed.exit_process). The environment torch reads at import (the thread counts) is the server's, so
+a child with other values is refused. Tests about a fresh interpreter (what an import costs or pulls in, the
+real torchrun launcher, a real SIGKILL of `cemtool train`) keep subprocess.Popen. research/scripts/study_gpu.py's
+lanes start their sweeps the same way.
 
     child = start([sys.executable, "-m", "cemtool", "train", ...], env={...})
     out, err = child.communicate(timeout=120)  # child.returncode: as Popen's (-N for signal N)
@@ -51,6 +55,8 @@ class Child:
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
+            if self.server.dead:
+                raise RuntimeError(f"the test process server ended before {self.args} did")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
@@ -63,7 +69,10 @@ class Child:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # it ended, and its status is on the way (as Popen, nothing to do)
+                pass
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -83,6 +92,7 @@ class Server:
         self.pids: dict[int, int] = {}
         self.statuses: dict[int, int] = {}
         self.count = 0
+        self.dead = False
 
     def start(self, args: list[str], env: dict[str, str], cwd: str | None, new_session: bool,
               ignore_sigint: bool) -> Child:
@@ -106,7 +116,8 @@ class Server:
         fd = self.proc.stdout.fileno()
         while select.select([fd], [], [], timeout)[0]:
             data = os.read(fd, 65536)
-            if not data:
+            if not data:  # the server ended (its children die with it: PR_SET_PDEATHSIG)
+                self.dead = True
                 return
             self.pending += data
             *lines, self.pending = self.pending.split(b"\n")
@@ -166,7 +177,18 @@ def ranks(args: list[str], world: int, env: dict[str, str] | None = None) -> lis
 def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """``start`` and wait: subprocess.run(args, capture_output=True, text=True)'s result."""
     child = start(args, env, **kw)
-    out, err = child.communicate(timeout)
+    try:
+        out, err = child.communicate(timeout)
+    except subprocess.TimeoutExpired:  # as subprocess.run: the child is killed (its whole group in its own session)
+        try:
+            if kw.get("new_session"):
+                os.killpg(child.pid, signal.SIGKILL)
+            else:
+                child.kill()
+        except ProcessLookupError:
+            pass
+        child.wait()
+        raise
     return subprocess.CompletedProcess(args, child.returncode, out, err)
 
 
@@ -177,12 +199,19 @@ def run(args: list[str], env: dict[str, str] | None = None, timeout: float = 300
 def serve() -> None:
     """Import once, then for each request line fork a child that runs it; answer {"key", "pid"} when forked and
     {"key", "status"} (as Popen's returncode) when it ends. When the requests end, the children left are killed."""
-    import torch._dynamo  # noqa: F401  (torch.optim imports it with a process's first optimizer: 1.1-1.5 s)
-    import torch.distributed  # noqa: F401
-
-    import cemtool.cli.main  # noqa: F401  (the commands and what they import)
-    import cemtool.sweep  # noqa: F401
-
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as said:  # what the imports print on stderr: each child prints it again
+        os.dup2(said.fileno(), 2)
+        try:
+            import torch._dynamo  # noqa: F401  (torch.optim imports it with a process's first optimizer: ~1.4 s)
+            import torch.distributed  # noqa: F401
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        said.seek(0)
+        global _IMPORT_STDERR
+        _IMPORT_STDERR = said.read()
     sys.path.remove(str(TESTS))  # put there to import this module: a child's sys.path is the interpreter's own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C of the test run is pytest's; each child resets it
     children: dict[int, int] = {}
@@ -213,6 +242,9 @@ def serve() -> None:
             _reply({"key": children.pop(pid), "status": os.waitstatus_to_exitcode(status)})
 
 
+_IMPORT_STDERR = b""
+
+
 def _kill(pid: int) -> None:
     try:
         os.kill(pid, signal.SIGKILL)
@@ -228,6 +260,7 @@ def _child(request: dict) -> None:
     """In the forked child: become the requested interpreter run, then leave with its status."""
     code = 1
     try:
+        _die_with_the_server()
         if request["new_session"]:
             os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN if request["ignore_sigint"] else signal.default_int_handler)
@@ -242,10 +275,13 @@ def _child(request: dict) -> None:
             f = os.open(path, flags, 0o644)
             os.dup2(f, fd)
             os.close(f)
+        os.write(2, _IMPORT_STDERR)
         code = _exit_status(_run, request["argv"])
         import atexit as exits
+        import threading
 
-        exits._run_exitfuncs()  # as the interpreter does at its end (cemtool.distributed registers one)
+        threading._shutdown()  # as the interpreter does at its end: wait for the threads that are not daemons,
+        exits._run_exitfuncs()  # then the exit handlers (cemtool.distributed registers one)
     except BaseException:  # noqa: BLE001  (whatever failed, the child leaves here and says why)
         traceback.print_exc()
     finally:
@@ -254,7 +290,23 @@ def _child(request: dict) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+        if code == INTERRUPTED:  # Python ends an uncaught KeyboardInterrupt by SIGINT, so its status is -2
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)
         os._exit(code)
+
+
+INTERRUPTED = -signal.SIGINT  # _exit_status's code for an uncaught KeyboardInterrupt
+
+
+def _die_with_the_server() -> None:
+    """Linux: SIGKILL this child when the server ends, so that no child outlives a crashed or killed server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the server kills its children when its requests end
+        pass
 
 
 def _exit_status(fn, argv: list[str]) -> int:
@@ -270,6 +322,9 @@ def _exit_status(fn, argv: list[str]) -> int:
             return e.code
         print(e.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return INTERRUPTED
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         return 1

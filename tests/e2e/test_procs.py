@@ -12,6 +12,7 @@ import pytest
 
 PROBE = r"""
 import json, os, signal, sys
+import torch._dynamo, cemtool.cli.main  # what they print on import, if anything, is on this stderr both ways
 print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "name": __name__, "x": os.environ.get("PROCS_X"),
                   "pid": os.getpid(), "pgid": os.getpgid(0), "stdin": sys.stdin.read(),
                   "sigint": str(signal.getsignal(signal.SIGINT)),
@@ -45,11 +46,22 @@ def test_a_child_sees_what_a_fresh_interpreter_sees(tmp_path):
         assert fresh.stderr == forked.stderr == "to stderr\n"
 
 
+def test_cemtool_reads_its_environment_in_the_child(tmp_path):
+    """`python -m cemtool`: the same output both ways, and under RANK=1 (a torchrun rank that is not the first)
+    quiet both ways: cemtool reads RANK when it is imported, which each child does itself."""
+    for rank in ("0", "1"):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": rank}
+        fresh, forked = both([sys.executable, "-m", "cemtool", "archs"], env)
+        assert fresh.returncode == forked.returncode == 0, (fresh.stderr, forked.stderr)
+        assert (fresh.stdout, fresh.stderr) == (forked.stdout, forked.stderr), rank
+        assert ("baseline" in forked.stdout) == (rank == "0")
+
+
 def test_exit_statuses_are_the_interpreters(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for code, want in (("pass", 0), ("import sys; sys.exit(3)", 3), ("import sys; sys.exit('Error: no')", 1),
-                       ("raise ValueError('boom')", 1), ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)",
-                                                         -signal.SIGTERM)):
+                       ("raise ValueError('boom')", 1), ("raise KeyboardInterrupt", -signal.SIGINT),
+                       ("import os, signal; os.kill(os.getpid(), signal.SIGTERM)", -signal.SIGTERM)):
         fresh, forked = both([sys.executable, "-c", code], env)
         assert fresh.returncode == forked.returncode == want, (code, fresh.returncode, forked.returncode)
         assert ("Traceback" in fresh.stderr) == ("Traceback" in forked.stderr), code
@@ -78,6 +90,14 @@ def test_signals_sessions_and_timeouts(tmp_path):
     assert ignoring.poll() is None
     ignoring.kill()
     assert ignoring.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_a_timed_out_run_kills_its_child():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with pytest.raises(subprocess.TimeoutExpired):
+        procs.run([sys.executable, "-c", "import time; time.sleep(60)"], env=env, timeout=0.5)
+    last = procs._server.statuses[procs._server.count]  # reaped, not left running
+    assert last == -signal.SIGKILL
 
 
 def test_thread_settings_torch_reads_at_import_are_refused():

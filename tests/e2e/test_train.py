@@ -138,18 +138,23 @@ def test_ddp_two_processes_match_one(tmp_path, text_file):
     w2 = load_file(str(two / "checkpoints" / "final.safetensors"))
     assert all(torch.allclose(w1[k], w2[k], atol=1e-4) for k in w1)
 
-    # the same 2-process run killed after its step-20 checkpoint, resumed under torchrun: every rank restores the
+    # the same 2-process run killed after its step-20 checkpoint, resumed on 2 ranks: every rank restores the
     # step, weights and optimizer state (before the fix only rank 0 did, and the ranks ran different schedules)
     three = tmp_path / "three"
     shutil.copytree(two, three)
     (three / "checkpoints" / "final.safetensors").unlink()
     meta = json.loads((three / "meta.json").read_text())
     (three / "meta.json").write_text(json.dumps({**meta, "status": "interrupted"}))
-    # (the resume's 2 ranks in torchrun's environment, forked (tests/procs.py); the run above had the launcher)
-    ranks = procs.ranks([sys.executable, "-m", "cemtool", "train", "--resume", str(three), "--quiet"], 2, ENV)
-    for rank in ranks:
-        _, err = rank.communicate(timeout=300)
-        assert rank.returncode == 0, err[-2000:]
+    # (the resume's 2 ranks in torchrun's environment, forked (tests/procs.py); the run above had the launcher. A
+    # rank that fails makes the other fail within CEMTOOL_DIST_TIMEOUT, which ends the wait)
+    ranks = procs.ranks([sys.executable, "-m", "cemtool", "train", "--resume", str(three), "--quiet"], 2,
+                        {**ENV, "CEMTOOL_DIST_TIMEOUT": "30"})
+    try:
+        codes = [rank.wait(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()  # (nothing, when it has ended)
+    assert codes == [0, 0], [rank.communicate()[1][-2000:] for rank in ranks]
     assert losses(three) == losses(two)
     w3 = load_file(str(three / "checkpoints" / "final.safetensors"))
     assert all(torch.equal(w2[k], w3[k]) for k in w2)
