@@ -31,7 +31,7 @@ def spearman(x: list[float], y: list[float]) -> dict:
     rho = float(res.statistic)
     if n > EXACT_MAX_N:
         return {"rho": rho, "p": float(res.pvalue), "p_method": "t approximation", "n": n, "note": None}
-    rx, ry = stats.rankdata(x), stats.rankdata(y)
+    rx, ry = average_ranks(x), average_ranks(y)
     perms = np.array(list(itertools.permutations(range(n))))  # (n!, n)
     ryp = ry[perms] - ry.mean()  # (n!, n)
     rhos = ryp @ (rx - rx.mean()) / (np.linalg.norm(rx - rx.mean()) * np.linalg.norm(ry - ry.mean()))  # (n!,)
@@ -153,12 +153,6 @@ def tost(a: list[float], b: list[float], margin: float, level: float = 0.95) -> 
     return {**out, "p_tost": p, "equivalent": p < alpha, "lo90": d - half, "hi90": d + half}
 
 
-def _ranks(v) -> np.ndarray:
-    from scipy import stats  # start-up: ~0.75 s
-
-    return stats.rankdata(np.asarray(v, dtype=float))
-
-
 def partial_spearman(x: list[float], y: list[float], covariates: dict[str, list[float]]) -> dict:
     """Spearman's partial correlation of x and y given the covariates: the Pearson correlation of the residuals of
     rank(x) and rank(y) after least squares on [1, rank(c) for each covariate]; two-sided p from t =
@@ -170,10 +164,10 @@ def partial_spearman(x: list[float], y: list[float], covariates: dict[str, list[
     out = {"rho": None, "p": None, "n": n, "given": sorted(covariates), "df": None, "note": None}
     if n < k + 3:
         return {**out, "note": f"needs at least {k + 3} points for {k} covariate(s)"}
-    design = np.column_stack([np.ones(n), *[_ranks(covariates[c]) for c in sorted(covariates)]])  # (n, 1 + k)
+    design = np.column_stack([np.ones(n), *[average_ranks(covariates[c]) for c in sorted(covariates)]])  # (n, 1 + k)
 
     def residual(v):
-        r = _ranks(v)
+        r = average_ranks(v)
         coef, *_ = np.linalg.lstsq(design, r, rcond=None)
         return r - design @ coef  # (n,)
 
@@ -221,9 +215,11 @@ def hierarchical_bootstrap(groups: dict[str, list[tuple[float, float]]], statist
             "n_boot": n_boot, "undefined": n_boot - len(values), "seed": seed}
 
 
-def average_ranks(a: np.ndarray) -> np.ndarray:
-    """1-based ranks of a 1-d array, tied values given the average of their ranks (scipy.stats.rankdata's
-    default), without scipy's per-call overhead (a bootstrap ranks thousands of short arrays)."""
+def average_ranks(a) -> np.ndarray:
+    """1-based ranks of a 1-d sequence, tied values given the average of their ranks (scipy.stats.rankdata's
+    default, to the bit: each is a sum of whole numbers over their count), without scipy's per-call overhead (a
+    bootstrap ranks thousands of short arrays)."""
+    a = np.asarray(a, dtype=float)
     ranks = np.empty(len(a))
     ranks[np.argsort(a, kind="stable")] = np.arange(1, len(a) + 1)
     _, tie = np.unique(a, return_inverse=True)  # (n,) the index of each value's tie group
