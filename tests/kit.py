@@ -4,6 +4,7 @@ tests/conftest.py and research/tests/conftest.py turn its fixtures into fixtures
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -38,15 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository
 # number of commands or groups, or whose callback, changed is built again.
 
 
-def _command_once(typer_app, _built: dict = {}):  # noqa: B006  (the memo: one entry per app)
-    state = (len(typer_app.registered_commands), len(typer_app.registered_groups), typer_app.registered_callback)
-    hit = _built.get(id(typer_app))
-    if hit is None or hit[0] is not typer_app or hit[1] != state:
-        hit = _built[id(typer_app)] = (typer_app, state, typer.main.get_command(typer_app))
-    return hit[2]
+@functools.cache  # keyed by the app (by identity) and what would change its command
+def _command(typer_app, commands: int, groups: int, callback):
+    return typer.main.get_command(typer_app)
 
 
-typer.testing._get_command = _command_once
+typer.testing._get_command = lambda typer_app: _command(typer_app, len(typer_app.registered_commands),
+                                                        len(typer_app.registered_groups), typer_app.registered_callback)
 
 # --------------------------------------------------------------------------------------------------------------
 # tiny models and tokens (no data, no run directory)

@@ -106,8 +106,8 @@ class Server:
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
         while key not in self.pids:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the test process server ended (exit {self.proc.returncode})")
+            if self.dead:
+                raise RuntimeError(f"the test process server ended (exit {self.proc.wait()})")
             self.collect(1.0)
         return Child(self, self.pids[key], key, out, err, args)
 
@@ -157,7 +157,7 @@ def start(args: list[str], env: dict[str, str] | None = None, cwd: str | None = 
         if env.get(key, "1" if key != "OMP_NUM_THREADS" else None) != "1":
             raise ValueError(f"{key}={env.get(key)}: torch reads it when it is imported, and the server imported "
                              "it as 1; start a fresh process (subprocess.Popen) instead")
-    if _server is None or _server.proc.poll() is not None:
+    if _server is None or _server.dead or _server.proc.poll() is not None:
         _server = Server()
         atexit.register(_server.close)
     return _server.start(args, env, cwd, new_session, ignore_sigint)
