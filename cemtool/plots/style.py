@@ -292,7 +292,7 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
     """Save ``plots/<name>.<format>`` for every format in ``formats`` (default: those of :func:`output`, PNG and
     SVG unless told otherwise) atomically (runs.atomic_write_bytes: no links followed inside a run); close the
     figure. Titles that would be wider than their axes are wrapped first. The layout those checks measured is
-    kept for every format (the layout engine is switched off before writing): each format is one draw, and the
+    kept for every format (the layout engine is removed before writing): each format is one draw, and the
     PNG, PDF and SVG of a figure have the same geometry."""
     d = Path(plots_dir)
     if _OUTPUT["size"]:
@@ -302,7 +302,11 @@ def save(fig, plots_dir: str | Path, name: str, formats: tuple[str, ...] | None 
         if not fit_titles(fig, drawn) or not title_overflow(fig):
             break  # either way the last draw came after the last change: the layout is current
         drawn = True  # title_overflow laid it out again
-    fig.set_layout_engine("none")  # keep that layout (each savefig would lay the figure out twice more)
+    # keep that layout: no engine at all, not "none"'s placeholder, for which every savefig draws the figure once
+    # more before its real draw (the pre-draw a layout engine needs); under rc settings that would pick an engine
+    # for None
+    with matplotlib.rc_context({"figure.autolayout": False, "figure.constrained_layout.use": False}):
+        fig.set_layout_engine(None)
     dpi = SIZES[_OUTPUT["size"]][2] if _OUTPUT["size"] else 130
     paths = []
     for ext in formats or _OUTPUT["formats"]:

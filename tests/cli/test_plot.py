@@ -443,6 +443,41 @@ def drawn(monkeypatch):
     return run
 
 
+def test_each_format_is_one_draw_of_the_layout_the_checks_measured(tmp_path, monkeypatch):
+    """style.save lays a figure out for its checks (ticks, titles), then writes each format with one draw of that
+    layout: no layout engine is left on the figure, since even "none"'s placeholder engine makes every savefig
+    draw the figure once more before its real draw."""
+    from matplotlib.figure import Figure
+
+    from cemtool.plots import style
+
+    fig, axes = style.new_figure(5.0, 3.0, ncols=2)
+    for ax in axes[0]:
+        ax.plot([0, 1, 2], [1, 0, 2])
+        ax.set_title("a title long enough to be wrapped onto more lines by the checks of style.save " * 2)
+    draws, per_save, boxes = [], [], []
+    draw, savefig = Figure.draw, Figure.savefig
+
+    def counted_draw(self, renderer):
+        draws.append(type(renderer).__name__)
+        return draw(self, renderer)
+
+    def counted_savefig(self, *a, **k):
+        before = len(draws)
+        boxes.append([ax.get_position().bounds for ax in self.axes])
+        out = savefig(self, *a, **k)
+        per_save.append(draws[before:])
+        return out
+
+    monkeypatch.setattr(Figure, "draw", counted_draw)
+    monkeypatch.setattr(Figure, "savefig", counted_savefig)
+    paths = style.save(fig, tmp_path, "f", formats=("png", "svg"))
+    assert [p.suffix for p in paths] == [".png", ".svg"] and all(p.stat().st_size > 1000 for p in paths)
+    assert len(per_save) == 2 and all(len(d) == 1 for d in per_save), per_save  # one draw per format
+    assert "\n" in axes[0, 0].title.get_text()  # the checks did wrap the title (they ran)
+    assert boxes[0] == boxes[1] == [ax.get_position().bounds for ax in fig.axes]  # the layout the checks made
+
+
 def overlapping_ticks(ax) -> bool:
     """Whether two visible x tick labels of a drawn axes overlap (their boxes in display pixels)."""
     boxes = sorted((t.get_window_extent() for t in ax.get_xticklabels() if t.get_visible() and t.get_text()),
