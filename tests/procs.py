@@ -145,11 +145,15 @@ _server: Server | None = None
 
 
 def start(args: list[str], env: dict[str, str] | None = None, cwd: str | None = None, new_session: bool = False,
-          ignore_sigint: bool = False) -> Child:
+          ignore_sigint: bool | None = None) -> Child:
     """``args`` = [sys.executable, "-m", MODULE | SCRIPT | "-c", CODE, ...] as a forked child with ``env``
     (default: this process's), in its own session with ``new_session`` (as Popen's start_new_session), SIGINT
-    ignored with ``ignore_sigint`` (as a shell's background job)."""
+    ignored with ``ignore_sigint`` (as a shell's background job). By default the child ignores SIGINT where this
+    process does, as a process it started would (an ignored signal is the one disposition exec keeps): so under a
+    test run started in a shell's background."""
     global _server
+    if ignore_sigint is None:
+        ignore_sigint = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     env = dict(os.environ if env is None else env)
     if args[0] != sys.executable:
         raise ValueError(f"a child runs this interpreter's Python, not {args[0]}")

@@ -74,7 +74,7 @@ def test_signals_sessions_and_timeouts(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     wait = "import time\nprint('up', flush=True)\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n" \
            "    raise SystemExit(130)\n"
-    child = procs.start([sys.executable, "-c", wait], env=env, new_session=True)
+    child = procs.start([sys.executable, "-c", wait], env=env, new_session=True, ignore_sigint=False)
     while "up" not in child.out.read_text():
         time.sleep(0.01)
     assert os.getpgid(child.pid) == child.pid  # its own session and group, as start_new_session gives

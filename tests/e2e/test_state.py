@@ -208,7 +208,8 @@ def test_sigterm_and_sigint_checkpoint_the_step_they_stop_at_and_resume_bit_exac
     for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
         run = tmp_path / sig.name
         proc = procs.start([sys.executable, "-m", "cemtool", "train", "--data", text_file, "--out", str(run),
-                            "--quiet", *LONG], env=ENV)  # a process of its own, forked (tests/procs.py)
+                            "--quiet", *LONG], env=ENV, ignore_sigint=False)  # a process of its own, forked
+        # (tests/procs.py), which takes SIGINT as from a terminal even when this test run is a background job
         deadline = time.time() + 120
         while _logged_step(run) < 30 and proc.poll() is None and time.time() < deadline:
             time.sleep(0.005)
