@@ -57,6 +57,21 @@ def test_cemtool_reads_its_environment_in_the_child(tmp_path):
         assert ("baseline" in forked.stdout) == (rank == "0")
 
 
+def test_a_child_keeps_an_ignored_sigint_as_a_started_process_does():
+    """Where this process ignores SIGINT (a test run in a shell's background job), a fresh interpreter it starts
+    keeps ignoring it, and so does a forked child by default; where it does not, both get Python's handler."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code = "import signal; print(signal.getsignal(signal.SIGINT))"
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ignored = both([sys.executable, "-c", code], env)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    handled = both([sys.executable, "-c", code], env)
+    assert [p.stdout.strip() for p in ignored] == [str(signal.SIG_IGN)] * 2, ignored
+    assert [p.stdout.strip() for p in handled] == [str(signal.default_int_handler)] * 2, handled
+
+
 def test_exit_statuses_are_the_interpreters(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for code, want in (("pass", 0), ("import sys; sys.exit(3)", 3), ("import sys; sys.exit('Error: no')", 1),
