@@ -216,6 +216,8 @@ stdlib() {
   WIDE=(--set model.mlp_hidden=273)  # 341,312 parameters vs tmm's 341,088 (its learned stream embeddings)
   LOWRANK_75="[16,16,10,6]"  # 48 of 64
   ZERO=(--set model.momentum.stream_init=zero)  # the streams without learned embeddings: the baseline's 266,816 parameters
+  CEM_SIZE=(--set model.d_model=48 --set model.mlp_hidden=152)  # cemtool archs --match-params cem: +0.9%
+  FLOP_TOKENS=6977536  # LIMe 2.018e6 vs 1.991e6 FLOPs/token (x1.0139): 3,407 steps instead of 3,360
   local grid=train.lr=1e-3,2e-3,4e-3,8e-3,1.6e-2 S=0,1,2,3,4
   # forgetting: fine-tune on Python's documentation (English prose after code) for 3% of the pretraining steps
   # (the TMM paper's ~3.3% of its tokens) at 0.1 x the run's own peak lr (the lr its cosine schedule ended at);
@@ -248,10 +250,13 @@ stdlib() {
     group "$o" lime lime collapse $S "$grid"
     group "$o" lime-router-abs lime collapse $S "$grid" --set model.lime.router_lr=0.01  # the reference code's lr
     group "$o" lime-frozen lime collapse $S "$grid" --set model.lime.freeze_router=true  # a random router, frozen
+    # claim 11's baseline: the baseline's tuned lr, trained to at least LIMe's training FLOPs
+    sweep "$o/baseline-lime-flops" --tuned "$o/tune/baseline" --archs baseline --seeds $S --tokens "$FLOP_TOKENS"
     # value entropy and separability at initialisation: one step at lr 0 leaves the weights as initialised
     sweep "$o/init" --archs baseline,lime --seeds $S --tokens 2048 --data stdlib --set data.tokenizer=bpe \
       --set data.bpe_vocab_size=1024 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4 \
       --set data.seq_len=128 --set train.batch_size=16 --set train.lr=0 --analyses collapse "${COLLAPSE_ARGS[@]}"
+    group "$o" baseline-cem-size baseline "" $S "$grid" "${CEM_SIZE[@]}"  # claim 1's baseline of cem's size
     for a in cem cem-rec2 cem-precond cem-dplr cem-full; do
       group "$o" "$a" "$a" "" $S "$grid"
     done

@@ -339,18 +339,32 @@ def reissue(p, F, root, part: str) -> list[dict]:
                                        margin=D, primary=False),
                             difference("late-lowrank − uniform", p.values("val_loss", van, "late-lowrank"), uni,
                                        margin=D, primary=False)]))
+    # the router controls (where the part ran them): the reference code's absolute router lr, a frozen random router
+    controls = [(s, what) for s, what in (("lime-router-abs", "router at lr 1e-2"),
+                                          ("lime-frozen", "router frozen at init"))
+                if len(p.values("val_loss", "lime", s)) >= 2]
     if want("claim11"):
-        rows.append(("11", [difference("lime − baseline with ≥ LIMe's FLOPs", p.values("val_loss", "lime"),
-                                       p.values("val_loss", van, "baseline-lime-flops"))]))
+        lime = p.values("val_loss", "lime")
+        t11 = [difference("lime − baseline with ≥ LIMe's FLOPs", lime,
+                          p.values("val_loss", van, "baseline-lime-flops"))]
+        for s, what in controls:
+            ctl = p.values("val_loss", "lime", s)
+            t11 += [difference(f"control: lime, {what} − lime", ctl, lime, primary=False),
+                    difference(f"control: lime, {what} − baseline", ctl, p.values("val_loss", van), primary=False)]
+        rows.append(("11", t11))
     if want("claim12"):
-        def per_run(arch, metric):
-            rs = [(r["seed"], v) for r in p.runs(arch) if (v := F._layer_mean(r, metric)) is not None]
+        def per_run(arch, metric):  # arch, or (arch, study)
+            arch, study = arch if isinstance(arch, tuple) else (arch, None)
+            rs = [(r["seed"], v) for r in p.runs(arch, study) if (v := F._layer_mean(r, metric)) is not None]
             return F.Values([v for _, v in rs], [s for s, _ in rs])
 
-        rows.append(("12", [difference("lime − baseline, value entropy (layers ≥ 1)",
-                                       per_run("lime", "value_entropy"), per_run(van, "value_entropy"), sign=1),
-                            difference("lime − baseline, separability", per_run("lime", "separability"),
-                                       per_run(van, "separability"), sign=1)]))
+        t12 = [difference("lime − baseline, value entropy (layers ≥ 1)",
+                          per_run("lime", "value_entropy"), per_run(van, "value_entropy"), sign=1),
+               difference("lime − baseline, separability", per_run("lime", "separability"),
+                          per_run(van, "separability"), sign=1)]
+        t12 += [difference(f"control: lime, {what} − lime, value entropy", per_run(("lime", s), "value_entropy"),
+                           per_run("lime", "value_entropy"), sign=1, primary=False) for s, what in controls]
+        rows.append(("12", t12))
     if want("claim13"):
         b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")
         b12, l12 = p.values("val_loss", van, "depth12"), p.values("val_loss", "lime", "depth12")

@@ -37,13 +37,23 @@ def size(arch: str, words: list[str], vocab: int, extra: tuple = ()) -> dict:
     return arch_row(arch, overrides, vocab=vocab, seq_len=int(option(words, "data.seq_len")))
 
 
-@pytest.fixture(scope="module", params=["grammar", "pydoc"])
-def study(request):
-    v = part(request.param)
+def _study(name: str):
+    v = part(name)
     common = v["COMMON"]
     # the vocabulary the runs have: the grammar's words, or the BPE size (pydoc's runs record vocab_size 1,024)
-    vocab = len(default_grammar().vocab) if request.param == "grammar" else int(option(common, "data.bpe_vocab_size"))
-    return request.param, v, common, vocab
+    vocab = len(default_grammar().vocab) if name == "grammar" else int(option(common, "data.bpe_vocab_size"))
+    return name, v, common, vocab
+
+
+@pytest.fixture(scope="module", params=["grammar", "pydoc"])
+def study(request):
+    return _study(request.param)
+
+
+@pytest.fixture(scope="module", params=["grammar", "pydoc", "stdlib"])
+def any_part(request):
+    """Every part that runs claims 1 and 11's matched baselines (the stdlib part has no depth-12 group)."""
+    return _study(request.param)
 
 
 def test_wide_baseline_has_tmms_parameters(study):
@@ -52,14 +62,14 @@ def test_wide_baseline_has_tmms_parameters(study):
     assert abs(wide["params"] / tmm["params"] - 1) < 0.01
 
 
-def test_cem_size_baseline_has_cems_parameters(study):
-    _, v, common, vocab = study
+def test_cem_size_baseline_has_cems_parameters(any_part):
+    _, v, common, vocab = any_part
     small, cem = size("baseline", common + v["CEM_SIZE"], vocab), size("cem", common, vocab)
     assert abs(small["non_embedding"] / cem["non_embedding"] - 1) < 0.01  # cemtool archs --match-params
 
 
-def test_flop_tokens_are_the_fewest_steps_past_limes_flops(study):
-    _, v, common, vocab = study
+def test_flop_tokens_are_the_fewest_steps_past_limes_flops(any_part):
+    _, v, common, vocab = any_part
     base, lime = size("baseline", common, vocab), size("lime", common, vocab)
     tokens, flop_tokens = int(common[common.index("--tokens") + 1]), int(v["FLOP_TOKENS"])
     step = int(option(common, "train.batch_size")) * int(option(common, "data.seq_len"))

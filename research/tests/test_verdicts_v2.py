@@ -2,6 +2,7 @@
 verdict rules on hand-made numbers (each able to fail: a swapped sign, a missing minimum), and the rows it writes
 from the committed records."""
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -79,3 +80,39 @@ def test_correlation_over_means_is_spearman_of_the_means():
     assert t.est == pytest.approx(stats.spearmanr([m[0] for m in means.values()],
                                                   [m[1] for m in means.values()]).statistic)
     assert t.lo <= t.est <= t.hi and "6 architecture means" in t.unit
+
+
+def test_router_controls_are_extra_rows_of_claims_11_and_12_where_the_part_ran_them(tmp_path, monkeypatch):
+    """The LIMe router controls (the reference's router lr, a frozen router) are second readings of claims 11 and
+    12: paired differences against lime and the baseline, shown where the part ran them, leaving the primary
+    tests, their Holm p and the verdicts as they were."""
+    spec = importlib.util.spec_from_file_location("findings", SCRIPTS / "findings.py")
+    F = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(F)
+    monkeypatch.setitem(F.PART_CLAIMS, "toy", [F.claim11, F.claim12])
+    rng = np.random.default_rng(3)
+
+    def runs(loss, entropy):
+        return [{"seed": s, "val_loss": float(v), "layers": [{"layer": 0, "value_entropy": 9.0},
+                                                              {"layer": 1, "value_entropy": float(e)}]}
+                for s, (v, e) in enumerate(zip(loss, entropy, strict=True))]
+
+    base, flops, lime, ctl = (rng.normal(m, 0.02, 5) for m in (3.0, 3.0, 2.95, 3.1))
+    e_base, e_lime, e_ctl = (rng.normal(m, 0.05, 5) for m in (1.0, 1.5, 1.2))
+    p = F.Part(tmp_path, "toy")
+    p.groups = {("core", "baseline"): runs(base, e_base), ("core", "lime"): runs(lime, e_lime),
+                ("baseline-lime-flops", "baseline"): runs(flops, e_base)}
+    before = V.reissue(p, F, tmp_path, "toy")
+    assert [len(r["tests"]) for r in before] == [1, 2]  # no control run: no control row
+    p.groups[("lime-router-abs", "lime")] = runs(ctl, e_ctl)
+    after = V.reissue(p, F, tmp_path, "toy")
+    t11, t12 = ({t.name: t for t in r["tests"]} for r in after)
+    c = t11["control: lime, router at lr 1e-2 − lime"]
+    ref = stats.ttest_rel(ctl, lime)
+    assert not c.primary and (c.est, c.p) == pytest.approx((np.mean(ctl - lime), ref.pvalue), rel=1e-9)
+    assert t11["control: lime, router at lr 1e-2 − baseline"].est == pytest.approx(np.mean(ctl - base))
+    e = t12["control: lime, router at lr 1e-2 − lime, value entropy"]
+    assert not e.primary and e.est == pytest.approx(np.mean(e_ctl - e_lime))
+    for b, a in zip(before, after, strict=True):  # the primary tests and the verdicts are untouched
+        assert a["verdict"] == b["verdict"]
+        assert [t.p_holm for t in a["tests"] if t.primary] == [t.p_holm for t in b["tests"]]
