@@ -3,8 +3,10 @@ pyproject's pytest `pythonpath`), imported as `from kit import ...`; its fixture
 
 The tiny GPU study that test_study_gpu.py's slow tests share (research/tests/tiny_study.py) starts in the
 background once collection is done, when a selected test needs it, and runs beside the tests before it (under
-pytest-xdist, whose `--dist loadfile` (pyproject addopts) gives the whole file to one worker: at that worker's first
-test of it, the file sorted first so that the study starts at once while the other workers run the rest)."""
+pytest-xdist, whose `--dist loadfile --no-loadscope-reorder` (pyproject addopts) gives whole files to the workers in
+the collection's order: at that worker's first test of it, the file sorted first so that the study starts at once
+while the other workers run the rest. Without --no-loadscope-reorder, xdist sorts the files by their number of tests,
+and the study started 141 s into a 291-s run)."""
 
 import os
 
@@ -24,11 +26,17 @@ def pytest_collection_finish(session):
         session.config.stash[TINY_STUDY] = TinyStudy().start()
 
 
+@pytest.hookimpl(trylast=True)  # after tests/conftest.py's order of the files, which this keeps otherwise
 def pytest_collection_modifyitems(session, config, items):
     """Under pytest-xdist, test_study_gpu.py first, its tiny-study tests at its head (every worker sorts alike):
     the worker that takes the file runs the study while the others run the rest of the suite."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda it: (it.path.name != "test_study_gpu.py", "tiny" not in getattr(it, "fixturenames", ())))
+        def rank(it) -> int:  # (another file's fixture may be called tiny too)
+            if it.path.name != "test_study_gpu.py":
+                return 2
+            return 0 if "tiny" in getattr(it, "fixturenames", ()) else 1
+
+        items.sort(key=rank)
 
 
 def pytest_sessionfinish(session):
