@@ -76,7 +76,7 @@ class SharpnessOptions:
     asam_eta: float = 0.01
     ascent_steps: int = 1  # gradient steps of the worst-case measures (1 = first order)
     avg_rho: float = 0.1
-    avg_samples: int = 4  # antithetic pairs of the average-case measure
+    avg_samples: int = 4  # antithetic pairs of the average-case measure (0 skips it; 1 is refused: no standard error)
     landscape: str = "1d"  # 1d | 2d | both | none
     slice_span: float = 1.0
     slice_points: int = 21  # per axis (2-D: at most 11 by default, see slice_points_2d)
@@ -100,6 +100,9 @@ class SharpnessOptions:
                      "avg_samples"):
             if getattr(self, name) < 0:
                 raise CemtoolError(f"{name} must be >= 0")
+        if self.avg_samples == 1:  # (it was skipped without a word)
+            raise CemtoolError("avg_samples=1: the average-case sharpness needs at least 2 antithetic pairs (its "
+                               "standard error is over the pairs)", hint="use 2 or more, or 0 to skip it")
         check_hvp_method(self.hvp, resolve_dtype(self.dtype))
         check_operator(self.operator)
         if self.mc_samples < 1:

@@ -174,8 +174,8 @@ def sharpness(
                                               min=1)] = 1,
     avg_rho: Annotated[float, typer.Option(help="average-case adaptive radius, 0 = skip (default 0.1)", min=0.0)]
     = 0.1,
-    avg_samples: Annotated[int, typer.Option(help="antithetic pairs of the average-case estimate (default 4)",
-                                             min=2)] = 4,
+    avg_samples: Annotated[int, typer.Option(help="antithetic pairs of the average-case estimate, at least 2; "
+                                                  "0 = skip (default 4)", min=0)] = 4,
     landscape: Annotated[str, typer.Option(help="loss slices: 1d (default), 2d, both, none")] = "1d",
     slice_points: Annotated[Optional[int], typer.Option(help="points per axis (default 21 for 1-D, 11 for 2-D)",
                                                         min=2)] = None,

@@ -271,6 +271,7 @@ def test_progress_completes_when_lanczos_stops_early(model_problem):
     (dict(top_k=30, lanczos_steps=20), "need at least 31 Lanczos steps"),
     (dict(trace_hvps=3), "xtrace needs at least 4 HVPs"),  # refused before a model is opened, not after training
     (dict(trace_hvps=1, trace_methods=("hutchinson",)), "hutchinson needs at least 2 HVPs"),
+    (dict(avg_samples=1), "needs at least 2 antithetic pairs"),  # once skipped without a word (a sweep's -A)
 ])
 def test_options_refuse_what_cannot_be_measured(bad, message):
     with pytest.raises(CemtoolError, match=message):
