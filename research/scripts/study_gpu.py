@@ -91,7 +91,7 @@ SIZES = {
     # (research/tests)
     "tiny": Size(2, 32, 2, 32, 16, 1, 4096, (0, 1), "train.lr=1e-3,1e-2", 2, 10**6, 512, 2, 6,
                  tune_tokens=2048, muon_grid="train.muon_lr=0.01,0.04", tune_seeds=(100,),
-                 analysis_options=("sharpness.tokens=256", "sharpness.lanczos_steps=3", "sharpness.top_k=1",
+                 analysis_options=("sharpness.tokens=128", "sharpness.lanczos_steps=3", "sharpness.top_k=1",
                                    "sharpness.trace_hvps=4", "sharpness.density_runs=0", "sharpness.avg_samples=0",
                                    "sharpness.landscape=none", "collapse.tokens=1024", "collapse.folds=2"),
                  # soap's and shampoo's R^{-1/2} by 2 Newton steps, not 10: a third of their step time at this size
