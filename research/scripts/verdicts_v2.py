@@ -511,7 +511,9 @@ def regime(p) -> dict:
     import json
     from pathlib import Path
 
-    runs = [r for rs in p.groups.values() for r in rs]
+    # the models at initialisation (the init study: one step at lr 0) are no regime of training: counted apart
+    runs = [r for (study, _), rs in p.groups.items() if study != "init" for r in rs]
+    at_init = sum(len(rs) for (study, _), rs in p.groups.items() if study == "init")
     metas = []
     for r in runs:
         try:
@@ -530,7 +532,7 @@ def regime(p) -> dict:
         lo, hi = fmt.format(min(v)), fmt.format(max(v))
         return lo if lo == hi else f"{lo}–{hi}"
 
-    return {"runs": len(runs), "tokens": span(tokens, "{:,}"), "params": span(params, "{:,}"),
+    return {"runs": len(runs), "at_init": at_init, "tokens": span(tokens, "{:,}"), "params": span(params, "{:,}"),
             "tokens_per_param": span(ratio, "{:.2f}"), "epochs": span(epochs, "{:.3f}"),
             "standing": {v: standing.count(v) for v in dict.fromkeys(standing)}}
 
@@ -540,6 +542,7 @@ def regime_markdown(rows: dict[str, dict]) -> list[str]:
           "where the measured models stand |", "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         st = ", ".join(f"{n} {v}" for v, n in r["standing"].items()) or "–"
-        md.append(f"| {name} | {r['runs']} | {r['tokens']} | {r['params']} | {r['tokens_per_param']} | {r['epochs']} "
+        runs = f"{r['runs']} (+{r['at_init']} at initialisation)" if r.get("at_init") else r["runs"]
+        md.append(f"| {name} | {runs} | {r['tokens']} | {r['params']} | {r['tokens_per_param']} | {r['epochs']} "
                   f"| {st} |")
     return md + [""]
