@@ -344,17 +344,16 @@ def reissue(p, F, root, part: str) -> list[dict]:
                                           ("lime-frozen", "router frozen at init"))
                 if len(p.values("val_loss", "lime", s)) >= 2]
     if want("claim11"):
-        lime = p.values("val_loss", "lime")
+        lime, base = p.values("val_loss", "lime"), p.values("val_loss", van)
         t11 = [difference("lime − baseline with ≥ LIMe's FLOPs", lime,
                           p.values("val_loss", van, "baseline-lime-flops"))]
         for s, what in controls:
             ctl = p.values("val_loss", "lime", s)
             t11 += [difference(f"control: lime, {what} − lime", ctl, lime, primary=False),
-                    difference(f"control: lime, {what} − baseline", ctl, p.values("val_loss", van), primary=False)]
+                    difference(f"control: lime, {what} − baseline", ctl, base, primary=False)]
         rows.append(("11", t11))
     if want("claim12"):
-        def per_run(arch, metric):  # arch, or (arch, study)
-            arch, study = arch if isinstance(arch, tuple) else (arch, None)
+        def per_run(arch, metric, study=None):
             rs = [(r["seed"], v) for r in p.runs(arch, study) if (v := F._layer_mean(r, metric)) is not None]
             return F.Values([v for _, v in rs], [s for s, _ in rs])
 
@@ -362,7 +361,7 @@ def reissue(p, F, root, part: str) -> list[dict]:
                           per_run("lime", "value_entropy"), per_run(van, "value_entropy"), sign=1),
                difference("lime − baseline, separability", per_run("lime", "separability"),
                           per_run(van, "separability"), sign=1)]
-        t12 += [difference(f"control: lime, {what} − lime, value entropy", per_run(("lime", s), "value_entropy"),
+        t12 += [difference(f"control: lime, {what} − lime, value entropy", per_run("lime", "value_entropy", s),
                            per_run("lime", "value_entropy"), sign=1, primary=False) for s, what in controls]
         rows.append(("12", t12))
     if want("claim13"):

@@ -3,8 +3,10 @@ verdict rules on hand-made numbers (each able to fail: a swapped sign, a missing
 from the committed records."""
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -116,3 +118,18 @@ def test_router_controls_are_extra_rows_of_claims_11_and_12_where_the_part_ran_t
     for b, a in zip(before, after, strict=True):  # the primary tests and the verdicts are untouched
         assert a["verdict"] == b["verdict"]
         assert [t.p_holm for t in a["tests"] if t.primary] == [t.p_holm for t in b["tests"]]
+
+
+def test_the_regime_leaves_the_models_at_initialisation_out_of_its_ranges(tmp_path):
+    """regime(): the init study's runs (one step at lr 0) are counted apart, not in the tokens-per-parameter span."""
+    def run(name, tokens, params):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "meta.json").write_text(json.dumps({"tokens": tokens, "params": {"total": params}, "epochs": 0.5}))
+        return {"run": str(d), "seed": 0}
+
+    p = SimpleNamespace(groups={("core", "baseline"): [run("a", 2000, 100), run("b", 3000, 100)],
+                                ("init", "baseline"): [run("c", 20, 100)]})
+    r = V.regime(p)
+    assert (r["runs"], r["at_init"], r["tokens"], r["tokens_per_param"]) == (2, 1, "2,000–3,000", "20.00–30.00")
+    assert "| toy | 2 (+1 at initialisation) | 2,000–3,000 |" in "\n".join(V.regime_markdown({"toy": r}))
