@@ -89,11 +89,13 @@ def print_selection(selection: dict, tuning: Path, archs: list[str] | tuple | No
     for arch, a in selection["archs"].items():
         if archs is not None and arch not in archs:
             continue
+        chosen = "chosen, at the grid's edge" if a.get("at_edge") else "chosen"
+        for key, f in a.get("shortfall", {}).items():
+            chosen += f"; the parabola through its neighbours: {key}={f['vertex']:.3g}, {f['gain']:.4f} lower"
         for p in a["points"]:
             point = " ".join(f"{k}={v}" for k, v in p["point"].items())
             rows.append([arch, point, _fmt(p["mean_val_loss"]), _fmt(p["std_val_loss"]), len(p["seeds"]),
-                         p["failed"], ("chosen, at the grid's edge" if a.get("at_edge") else "chosen")
-                         if p["point"] == a["chosen"] else ""])
+                         p["failed"], chosen if p["point"] == a["chosen"] else ""])
     console.table(f"selection on {tuning} (tuning seeds {','.join(map(str, selection['tuning_seeds']))}): "
                   f"{selection['rule']}", ["arch", "point", "mean val loss", "std", "seeds", "failed", ""], rows)
     console.result(f"selection: {tuning / 'selection.json'}")

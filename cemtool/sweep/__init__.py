@@ -60,11 +60,11 @@ from cemtool.sweep.manifest import (
     Study,
     check_manifest,
     check_new_study_dir,
-    grid_extension,
     new_manifest,
     open_study,
     read_manifest,
     retuned_archs,
+    study_extension,
 )
 from cemtool.sweep.options import analysis_names
 from cemtool.sweep.plan import (
@@ -84,11 +84,11 @@ from cemtool.sweep.plan import (
     plan_notes,
 )
 from cemtool.sweep.runner import run_sweep
-from cemtool.sweep.selection import SELECTION, grid_edges, plan_from_tuning, select
+from cemtool.sweep.selection import SELECTION, grid_edges, grid_shortfall, plan_from_tuning, select
 
 __all__ = ["analysis_names", "ITEM_STATUSES", "MAX_RUNS", "MAX_RUN_NAME",
            "RESERVED", "SCHEMA_VERSION", "SELECTION", "STEPS_KEY", "STUDY_STATUSES", "Callback",
            "Plan", "Study", "check_data_source", "check_manifest", "check_new_study_dir", "grid_edges",
-           "grid_extension", "grid_points", "item_config", "item_name", "item_overrides", "make_plan", "new_manifest",
+           "grid_shortfall", "grid_points", "item_config", "item_name", "item_overrides", "make_plan", "new_manifest",
            "open_study", "parse_grid", "parse_seeds", "plan_from_tuning", "plan_notes", "read_manifest",
-           "retuned_archs", "run_sweep", "select"]
+           "retuned_archs", "run_sweep", "select", "study_extension"]

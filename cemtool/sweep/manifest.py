@@ -1,6 +1,6 @@
 """A study directory on disk: :class:`Study`, its manifest study.json (made from a plan, opened, validated whole on
 every read, saved by one process or shared by the workers of --jobs) and the changes a re-planned study makes to
-it (a grid extended in place, a comparison retuned)."""
+it (a grid or its seeds extended in place, a comparison retuned)."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
                                                                                     stored.tuned_from, out):
             plan = replace(plan, tuned_from=stored.tuned_from)  # the same tuning study, named another way
         if plan is not None and plan != stored:
-            added = grid_extension(stored, plan)
+            added = study_extension(stored, plan)
             if added == {}:  # the same values, listed in another order: the same study
                 return Study(out, manifest)
             retuned = retuned_archs(stored, plan)
@@ -100,7 +100,7 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
                 diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
                 raise CemtoolError(f"{out} holds a study planned with other settings ({', '.join(diff)} differ)",
                                    hint=f"use another --out, or `cemtool sweep --resume {out}` to continue it as "
-                                        f"planned (a --grid may only add values)")
+                                        f"planned (a --grid may only add values, --seeds only add seeds)")
             return _extend(Study(out, manifest), plan, added)
         return Study(out, manifest)
     if plan is None:
@@ -269,23 +269,31 @@ def _value(key: str, v: str) -> str:
     return json.dumps(parse_override(f"{key}={v}"), sort_keys=True)
 
 
-def grid_extension(stored: Plan, plan: Plan) -> dict[str, list[str]] | None:
-    """The values ``plan`` adds to the grid of ``stored`` ({key: [value, ...]}) when it is otherwise the same plan
-    (same grid keys in the same order, every stored value kept); {} when it lists the same values in another order;
-    None when it is not such an extension."""
-    if not stored.grid or plan.grid == stored.grid or replace(plan, grid=stored.grid) != stored:
+def study_extension(stored: Plan, plan: Plan) -> dict | None:
+    """What ``plan`` adds to ``stored`` when it is otherwise the same plan: more values of its grid keys (same keys
+    in the same order, every stored value kept) and/or more seeds (every stored seed kept), as
+    {"grid": {key: [value, ...]}, "seeds": [seed, ...]} (the parts that add nothing left out); {} when it lists
+    the same values and seeds in another order; None when it is not such an extension."""
+    if replace(plan, grid=stored.grid, seeds=stored.seeds) != stored or not set(stored.seeds) <= set(plan.seeds):
         return None
-    old, new = parse_grid(stored.grid), parse_grid(plan.grid)
-    if [k for k, _ in old] != [k for k, _ in new]:
-        return None
-    added: dict[str, list[str]] = {}
-    for (key, before), (_, after) in zip(old, new, strict=True):
-        have, given = {_value(key, v) for v in before}, {_value(key, v) for v in after}
-        if not have <= given:
+    added: dict = {}
+    seeds = [s for s in plan.seeds if s not in stored.seeds]
+    if seeds:
+        added["seeds"] = seeds
+    if plan.grid != stored.grid:
+        old, new = parse_grid(stored.grid), parse_grid(plan.grid)
+        if [k for k, _ in old] != [k for k, _ in new]:
             return None
-        extra = [v for v in after if _value(key, v) not in have]
-        if extra:
-            added[key] = extra
+        grid: dict[str, list[str]] = {}
+        for (key, before), (_, after) in zip(old, new, strict=True):
+            have, given = {_value(key, v) for v in before}, {_value(key, v) for v in after}
+            if not have <= given:
+                return None
+            extra = [v for v in after if _value(key, v) not in have]
+            if extra:
+                grid[key] = extra
+        if grid:
+            added["grid"] = grid
     return added
 
 
@@ -340,22 +348,25 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
     return study
 
 
-def _extend(study: Study, plan: Plan, added: dict[str, list[str]]) -> Study:
-    """Extend a grid study in place: the added values' runs are appended (pending), every run already planned is
-    kept, and the extension is recorded in study.json (``extensions``) and said in ``study.notes``. The stored
-    values keep their spelling (the runs' names and points carry it); the added ones follow them."""
-    grid = tuple(f"{k}={','.join(values + added.get(k, []))}" for k, values in parse_grid(study.plan.grid))
-    plan = replace(plan, grid=grid)
+def _extend(study: Study, plan: Plan, added: dict) -> Study:
+    """Extend a study in place (``added``: :func:`study_extension`'s): the runs of the added grid values and seeds
+    are appended (pending), every run already planned is kept, and the extension is recorded in study.json
+    (``extensions``) and said in ``study.notes``. The stored values keep their spelling (the runs' names and
+    points carry it) and the stored seeds their order; the added ones follow them."""
+    grid_added, seeds_added = added.get("grid", {}), added.get("seeds", [])
+    grid = tuple(f"{k}={','.join(values + grid_added.get(k, []))}" for k, values in parse_grid(study.plan.grid))
+    plan = replace(plan, grid=grid, seeds=(*study.plan.seeds, *seeds_added))
     names = {it["name"] for it in study.manifest["items"]}
     fresh = [it for it in new_manifest(plan)["items"] if it["name"] not in names]
     study.manifest["items"] += fresh
     study.manifest.setdefault("extensions", []).append(
-        {"at": now(), "grid_before": list(study.plan.grid), "grid": list(grid), "added": added,
-         "runs_added": len(fresh)})
+        {"at": now(), "grid_before": list(study.plan.grid), "grid": list(grid), "added": grid_added,
+         "seeds_before": list(study.plan.seeds), "seeds_added": seeds_added, "runs_added": len(fresh)})
     study.manifest["plan"] = plan.to_dict()
     study.plan = plan
-    what = "; ".join(f"{k} + {', '.join(v)}" for k, v in added.items())
-    study.notes.append(f"extending the study's grid ({what}): {len(fresh)} new run(s); the {len(names)} planned "
+    what = "; ".join([*(f"{k} + {', '.join(v)}" for k, v in grid_added.items()),
+                      *([f"seeds + {', '.join(map(str, seeds_added))}"] if seeds_added else [])])
+    study.notes.append(f"extending the study ({what}): {len(fresh)} new run(s); the {len(names)} planned "
                        f"before are kept (finished ones are not redone)")
     return study
 

@@ -3,6 +3,7 @@ and the comparison study planned at those values on other seeds (:func:`plan_fro
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from pathlib import Path
@@ -81,7 +82,8 @@ def _select_arch(arch: str, plan: Plan, items: list[dict]) -> dict:
                            hint="widen the grid towards values that train")
     best = min(eligible, key=lambda p: p["mean_val_loss"])  # the first of equal means
     return {"chosen": best["point"], "overrides": [f"{k}={v}" for k, v in best["point"].items()],
-            "mean_val_loss": best["mean_val_loss"], "at_edge": grid_edges(plan, best["point"]), "points": points}
+            "mean_val_loss": best["mean_val_loss"], "at_edge": grid_edges(plan, best["point"]),
+            "shortfall": grid_shortfall(plan.grid, points, best), "points": points}
 
 
 def grid_edges(plan: Plan, point: dict[str, str]) -> list[str]:
@@ -97,6 +99,44 @@ def grid_edges(plan: Plan, point: dict[str, str]) -> list[str]:
         if chosen in (min(nums), max(nums)):
             edges.append(key)
     return edges
+
+
+def grid_shortfall(grid: list[str] | tuple, points: list[dict], best: dict) -> dict[str, dict]:
+    """How much the grid's spacing may leave on the table (``grid``: the study's --grid; ``points``: selection.json's
+    points of one architecture; ``best``: the chosen one), per numeric grid key (3 or more values, all positive)
+    whose chosen value lies inside the grid: the parabola in log(value) through the chosen point and its two
+    neighbours along that key (the other keys at their chosen values), by their mean losses. Its vertex lies
+    between the neighbours, and ``gain`` = chosen mean − the parabola's minimum (>= 0: the chosen mean is the lowest
+    of the three). {key: {"values", "means", "vertex", "gain"}}; a key is left out when the choice is at its edge
+    (:func:`grid_edges`: the best value may lie beyond) or a neighbour has no mean (a failed run). A point
+    estimate from the tuning seeds' means, not a bound: a gain of the size of the means' spread says the grid is
+    too coarse to tell, not that the gain is there."""
+    out = {}
+    means = {json.dumps(p["point"], sort_keys=True): p["mean_val_loss"] for p in points}
+    for key, values in parse_grid(tuple(grid)):
+        nums = [_leaf(parse_override(f"{key}={v}")) for v in values]
+        if len(nums) < 3 or not all(isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0
+                                    for n in nums) or key not in best["point"]:
+            continue
+        order = sorted(range(len(values)), key=lambda k: nums[k])
+        chosen = _leaf(parse_override(f"{key}={best['point'][key]}"))
+        at = next(i for i, k in enumerate(order) if nums[k] == chosen)
+        if at in (0, len(order) - 1):
+            continue
+        trio = [values[order[at + d]] for d in (-1, 0, 1)]
+        ys = [means.get(json.dumps({**best["point"], key: v}, sort_keys=True)) for v in trio]
+        if any(y is None for y in ys):
+            continue
+        xs = [math.log(nums[order[at + d]]) for d in (-1, 0, 1)]
+        # the parabola through the three points: y = y1 + b (x - x1) + c (x - x1)^2
+        d0, d2 = xs[0] - xs[1], xs[2] - xs[1]
+        s0, s2 = (ys[0] - ys[1]) / d0, (ys[2] - ys[1]) / d2  # secant slopes: s0 <= 0 <= s2
+        c = (s2 - s0) / (d2 - d0)
+        b = s0 - c * d0
+        shift = -b / (2 * c) if c > 0 else 0.0
+        out[key] = {"values": trio, "means": ys, "vertex": float(math.exp(xs[1] + shift)),
+                    "gain": float(b * b / (4 * c)) if c > 0 else 0.0}
+    return out
 
 
 def _leaf(tree):

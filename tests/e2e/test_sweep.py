@@ -3,6 +3,7 @@ Ctrl-C inside training) and resumed without redoing completed work; compute acco
 
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -413,11 +415,11 @@ def test_compare_on_a_corrupt_study_is_one_line(edit, message, tmp_path, plain_m
     assert "internal error" not in res.output and not (tmp_path / "cmp").exists()
 
 
-def fake_tuning(out: Path, losses: dict) -> Path:
+def fake_tuning(out: Path, losses: dict, grid: str = "train.lr=1e-3,3e-3,1e-2") -> Path:
     """A finished tuning study written by hand: losses[(arch, lr, seed)] = final val loss, None for a failed run."""
     from cemtool.sweep import open_study
 
-    plan = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=["train.lr=1e-3,3e-3,1e-2"])
+    plan = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=[grid])
     study = open_study(out, plan)
     for it in study.manifest["items"]:
         loss = losses[(it["arch"], it["point"]["train.lr"], it["seed"])]
@@ -464,6 +466,50 @@ def test_choice_at_the_grid_edge_is_flagged(tmp_path):
     assert sel["archs"]["baseline"]["at_edge"] == []                     # 3e-3: inside the grid
     assert sel["archs"]["tmm"]["at_edge"] == ["train.lr"]                # 1e-3: the grid's smallest value
     assert len(notes) == 1 and notes[0].startswith("tmm: the chosen train.lr (1e-3) is at the edge of the grid")
+    # no shortfall estimate at the edge (the best value may lie beyond), nor beside a failed neighbour (1e-2)
+    assert sel["archs"]["tmm"]["shortfall"] == {} and sel["archs"]["baseline"]["shortfall"] == {}
+
+
+def test_grid_shortfall_is_the_log_parabola_through_the_choice_and_its_neighbours(tmp_path):
+    """The selection's estimate of what the grid's spacing leaves on the table: on means exactly quadratic in
+    log(lr), the parabola through the chosen point and its neighbours is that quadratic (its vertex and minimum
+    recovered, on an unevenly spaced grid listed out of order); on other means it is numpy's fit through the same
+    three points."""
+    from cemtool.sweep import select
+
+    grid = "train.lr=1e-2,1e-3,3e-3,4e-3,3e-2"  # out of order, uneven in log(lr)
+
+    def quad(lr):  # minimum 2.0 at lr = 5e-3 (not a grid value)
+        return 2.0 + 0.05 * (math.log(lr) - math.log(5e-3)) ** 2
+
+    wobble = {"baseline": [3.1, 2.95, 2.9, 2.92, 3.3], "tmm": [3.0, 2.9, 2.8, 2.7, 2.6]}  # tmm: falls to the edge
+    lrs = ["1e-3", "3e-3", "4e-3", "1e-2", "3e-2"]
+    losses = {}
+    for k, lr in enumerate(lrs):
+        for seed, d in ((10, -0.125), (11, 0.125)):  # the seeds' mean is the value
+            losses[("baseline", lr, seed)] = quad(float(lr)) + d
+            losses[("tmm", lr, seed)] = wobble["tmm"][k] + d
+    sel = select(fake_tuning(tmp_path / "a", losses, grid))
+    f = sel["archs"]["baseline"]["shortfall"]["train.lr"]
+    assert sel["archs"]["baseline"]["chosen"] == {"train.lr": "4e-3"}
+    assert f["values"] == ["3e-3", "4e-3", "1e-2"] and f["means"] == pytest.approx([quad(3e-3), quad(4e-3),
+                                                                                     quad(1e-2)], abs=1e-12)
+    assert f["vertex"] == pytest.approx(5e-3, rel=1e-9)
+    assert f["gain"] == pytest.approx(quad(4e-3) - 2.0, rel=1e-9)
+    assert sel["archs"]["tmm"]["shortfall"] == {} and sel["archs"]["tmm"]["at_edge"] == ["train.lr"]
+    res = runner.invoke(app(), ["sweep", "--tuned", str(tmp_path / "a"), "--seeds", "0", "--out",
+                                str(tmp_path / "cmp"), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert f"the parabola through its neighbours: train.lr=0.005, {quad(4e-3) - 2:.4f} lower" in \
+        " ".join(res.stdout.split())
+    for k, lr in enumerate(lrs):  # other means: numpy's parabola through the same three points
+        losses[("baseline", lr, 10)], losses[("baseline", lr, 11)] = wobble["baseline"][k] - 0.1, \
+            wobble["baseline"][k] + 0.1
+    f = select(fake_tuning(tmp_path / "b", losses, grid))["archs"]["baseline"]["shortfall"]["train.lr"]
+    x, y = np.log([3e-3, 4e-3, 1e-2]), wobble["baseline"][1:4]
+    a, b, c = np.polyfit(x, y, 2)
+    assert f["vertex"] == pytest.approx(math.exp(-b / (2 * a)), rel=1e-9)
+    assert f["gain"] == pytest.approx(2.9 - (c - b * b / (4 * a)), rel=1e-9) and f["gain"] > 0
 
 
 def test_extending_a_grid_keeps_every_finished_run(tmp_path):
@@ -481,7 +527,7 @@ def test_extending_a_grid_keeps_every_finished_run(tmp_path):
     assert study.plan.grid == ("train.lr=1e-3,3e-3,1e-2,3e-2",)          # the stored spelling stays
     ext = study.manifest["extensions"][0]
     assert ext["added"] == {"train.lr": ["3e-2"]} and ext["runs_added"] == 4
-    assert study.notes == ["extending the study's grid (train.lr + 3e-2): 4 new run(s); the 12 planned before are "
+    assert study.notes == ["extending the study (train.lr + 3e-2): 4 new run(s); the 12 planned before are "
                            "kept (finished ones are not redone)"]
     study.save()
     reordered = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE,
@@ -494,6 +540,47 @@ def test_extending_a_grid_keeps_every_finished_run(tmp_path):
     with pytest.raises(CemtoolError, match="planned with other settings"):  # another change beside the grid
         open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, data="grammar-b",
                                   grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
+
+
+def test_extending_a_study_by_seeds_keeps_every_finished_run(tmp_path):
+    """More seeds are an extension too (a third tuning seed, more comparison seeds where the MDE asks for them):
+    the new seeds' runs are appended, the stored seeds keep their order, and a choice made on two tuning seeds is
+    made again on three once they have run. Dropping a seed is refused."""
+    from cemtool.sweep import open_study, plan_from_tuning, select
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    before = manifest(out)["items"]
+    more = make_plan("baseline,tmm", "12,11,10", tokens=TOKENS, overrides=TUNE, grid=["train.lr=1e-3,3e-3,1e-2,3e-2"])
+    study = open_study(out, more)
+    items = study.manifest["items"]
+    assert items[:len(before)] == before and study.plan.seeds == (10, 11, 12)
+    assert study.plan.grid == ("train.lr=1e-3,3e-3,1e-2,3e-2",)
+    assert sorted(i["name"] for i in items[len(before):]) == sorted(
+        [f"{a}-lr=3e-2-s{s}" for s in (10, 11) for a in ("baseline", "tmm")]
+        + [f"{a}-lr={lr}-s12" for lr in ("1e-3", "3e-3", "1e-2", "3e-2") for a in ("baseline", "tmm")])
+    ext = study.manifest["extensions"][0]
+    assert ext["seeds_before"] == [10, 11] and ext["seeds_added"] == [12] and ext["runs_added"] == 12
+    assert study.notes == ["extending the study (train.lr + 3e-2; seeds + 12): 12 new run(s); the 12 planned before "
+                           "are kept (finished ones are not redone)"]
+    study.save()
+    with pytest.raises(CemtoolError, match="is not finished"):  # the choice waits for the new runs
+        select(out)
+    for it in study.manifest["items"][len(before):]:
+        it.update(status="completed", val_loss=2.0 if it["arch"] == "baseline" and it["point"]["train.lr"] == "1e-3"
+                  else 9.0)
+    study.save()
+    assert select(out)["archs"]["baseline"]["points"][0]["seeds"] == [10, 11, 12]
+    assert select(out)["archs"]["baseline"]["mean_val_loss"] == pytest.approx(7 / 3)  # 1e-3 now: (3 + 2 + 2) / 3
+    with pytest.raises(CemtoolError, match=r"\(seeds differ\)"):
+        open_study(out, make_plan("baseline,tmm", "10,12", tokens=TOKENS, overrides=TUNE,
+                                  grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
+    # a comparison study gains seeds the same way; its stored runs are kept
+    cmp = tmp_path / "cmp"
+    first = open_study(cmp, plan_from_tuning(out, "0,1")[0])
+    first.save()
+    wider = open_study(cmp, plan_from_tuning(out, "0,1,2")[0])
+    assert wider.manifest["items"][:4] == first.manifest["items"]
+    assert [i["name"] for i in wider.manifest["items"][4:]] == ["baseline-s2", "tmm-s2"]
 
 
 def test_selection_refuses_overlapping_seeds_unfinished_and_plain_studies(tmp_path):
@@ -584,7 +671,7 @@ def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):
                                 "--grid", "train.lr=1e-4,3e-3,1e-3", *[a for s in TUNE for a in ("--set", s)],
                                 "--out", str(tune), "-q"])
     assert res.exit_code == 0, res.output
-    assert "Note: extending the study's grid (train.lr + 1e-3): 1 new run(s)" in res.output
+    assert "Note: extending the study (train.lr + 1e-3): 1 new run(s)" in res.output
     assert snapshot(*(tune / i["run"] for i in done["items"])) == kept
     assert [i["status"] for i in manifest(tune)["items"]] == ["completed"] * 3
 
