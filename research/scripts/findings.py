@@ -33,6 +33,7 @@ from scipy import stats
 
 from cemtool.analysis.compare import collect, spearman, welch
 from cemtool.errors import CemtoolError
+from cemtool.sweep.selection import grid_shortfall
 from cemtool.writes import atomic_write_json, atomic_write_text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # research/scripts: the re-issued verdicts' module
@@ -633,9 +634,14 @@ def tuning_rows(part_dir: Path) -> list[dict]:
         sel = json.loads(sel_path.read_text())
         for arch, a in sel["archs"].items():
             means = {" ".join(f"{v}" for v in p["point"].values()): p["mean_val_loss"] for p in a["points"]}
+            best = next(p for p in a["points"] if p["point"] == a["chosen"])
+            # recomputed (selections written before stop 51 do not record it): the log-parabola through the
+            # choice and its neighbours, what a finer grid could gain there (docs/sweep.md)
+            short = grid_shortfall(sel["grid"], a["points"], best)
             rows.append({"group": sel_path.parent.name, "arch": arch, "grid": "; ".join(sel["grid"]),
                          "chosen": " ".join(a["overrides"]), "at_edge": bool(a.get("at_edge")),
-                         "means": means})
+                         "tuning_seeds": len(sel["tuning_seeds"]), "means": means,
+                         "shortfall": {k: {"vertex": f["vertex"], "gain": f["gain"]} for k, f in short.items()}})
     return rows
 
 
@@ -739,10 +745,16 @@ def tuning_markdown(rows: list[dict]) -> list[str]:
     if not rows:
         return []
     out = ["Learning rates chosen on the tuning seeds (mean final validation loss per grid value; * = the choice is at "
-           "the grid's edge):", "", "| group | arch | chosen | mean val loss per value |", "|---|---|---|---|"]
+           "the grid's edge; shortfall: the log-parabola through the choice and its two neighbours, its vertex and "
+           "how much lower than the choice its minimum lies, a point estimate of what a finer grid could gain):", "",
+           "| group | arch | chosen | tuning seeds | shortfall | mean val loss per value |",
+           "|---|---|---|---|---|---|"]
     for r in rows:
         means = ", ".join(f"{k}: {'–' if v is None else f'{v:.4f}'}" for k, v in r["means"].items())
-        out.append(f"| {r['group']} | {r['arch']} | {r['chosen']}{' *' if r['at_edge'] else ''} | {means} |")
+        short = "; ".join(f"{f['gain']:.4f} at {f['vertex']:.3g}" for f in r["shortfall"].values()) or \
+            ("– (at the edge)" if r["at_edge"] else "–")
+        out.append(f"| {r['group']} | {r['arch']} | {r['chosen']}{' *' if r['at_edge'] else ''} | "
+                   f"{r['tuning_seeds']} | {short} | {means} |")
     return out + [""]
 
 

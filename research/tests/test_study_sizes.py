@@ -112,3 +112,40 @@ def test_stdlib_part_is_the_20_tokens_per_parameter_regime():
     assert zero == pytest.approx(sizes["baseline"], rel=0.005)  # + the streams' 544 mixing coefficients
     low = size("baseline", common, vocab, (f"model.head_dims={v['LOWRANK_75']}",))
     assert low["attn_budget"] == pytest.approx(0.75 * size("baseline", common, vocab)["attn_budget"])
+
+
+def test_stdlib_refined_grid_values_are_the_sqrt2_steps_and_the_next_doubling():
+    """The stdlib part's refinement (stop 51): the x sqrt(2) values between the factor-2 grid's values around the
+    refined choices (4e-3 -> 5.66e-3, 8e-3 -> 1.13e-2, to three figures) and, past the edge, the next doubling."""
+    body = re.search(r"^stdlib\(\) \{\n(.*?)^\}", SCRIPT, re.S | re.M).group(1)
+    grid = re.search(r"local grid=train\.lr=(\S+) ", body).group(1).split(",")
+    fine, edge = re.search(r"local fine=\$grid,(\S+) edge=\$grid,(\S+)", body).groups()
+    lrs = [float(x) for x in grid]
+    assert all(b == pytest.approx(2 * a) for a, b in zip(lrs, lrs[1:]))  # the factor-2 grid
+    assert [float(x) for x in fine.split(",")] == [float(f"{lr * 2 ** 0.5:.3g}") for lr in (4e-3, 8e-3)]
+    assert all(float(x) not in lrs for x in fine.split(","))
+    assert float(edge) == pytest.approx(2 * max(lrs))
+    assert "TUNE_SEEDS=$TUNE_SEEDS,102 group \"$o\" baseline-wide" in body  # a third tuning seed where refined
+
+
+def test_stdlib_six_layer_allocation_groups_are_claim_10s_regime():
+    """Claim 10 at 6 layers (its paper's depth): >= 20 tokens per parameter for the 6-layer baseline, whole steps,
+    the same width as the part's 4-layer groups, and late-lowrank-75-6 at 75% of the uniform attention budget with
+    the early half uniform and the late sizes falling."""
+    v = part("stdlib")
+    six, vocab = v["SIX"], int(option(v["SIX"], "data.bpe_vocab_size"))
+    assert option(six, "model.n_layer") == "6"
+    assert [s for s in sets(six) if not s.startswith("model.n_layer=")] == \
+        [s for s in sets(v["COMMON"]) if not s.startswith("model.n_layer=")]
+    tokens = int(six[six.index("--tokens") + 1])
+    assert tokens % (int(option(six, "train.batch_size")) * int(option(six, "data.seq_len"))) == 0
+    uniform = size("baseline", six, vocab)
+    assert 20 <= tokens / uniform["params"] < 20.2
+    for strategy in ("early-heavy", "late-lowrank"):  # the same budget and parameters as uniform
+        other = size("baseline", six, vocab, (f"model.alloc_strategy={strategy}",))
+        assert other["attn_budget"] == uniform["attn_budget"] and other["params"] == uniform["params"]
+    dims = [int(x) for x in v["LOWRANK_75_6"].strip("[]").split(",")]
+    low = size("baseline", six, vocab, (f"model.head_dims={v['LOWRANK_75_6']}",))
+    assert low["attn_budget"] == pytest.approx(0.75 * uniform["attn_budget"])
+    dh = int(option(six, "model.d_model")) // int(option(six, "model.n_head"))
+    assert dims[:3] == [dh] * 3 and dims[3:] == sorted(dims[3:], reverse=True) and len(set(dims[3:])) == 3
