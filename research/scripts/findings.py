@@ -46,8 +46,12 @@ PARTS = {"grammar": "grammar corpus, AdamW", "grammar-muon": "grammar corpus, Mu
          "stdlib": "the standard library's source (BPE 1,024), >= 20 tokens per parameter, AdamW"}
 SPECIAL = {"baseline-wide", "baseline-cem-size", "baseline-lime-flops", "early-heavy", "late-lowrank",
            "late-lowrank-75", "depth12", "tmm-zero", "hb-zero", "nesterov-zero", "lime-router-abs", "lime-frozen",
-           "init"}  # studies that hold a variant of an architecture, not its default (the stdlib part's controls:
-# the streams zero-initialised, LIMe's router at the reference's lr and frozen, the models at initialisation)
+           "init", "momentum-shared-lr", "uniform-6", "early-heavy-6", "late-lowrank-6", "late-lowrank-75-6",
+           "grammar-hard-check"}  # studies that hold a variant of an architecture, not its default (the stdlib
+# part's controls: the streams zero-initialised, LIMe's router at the reference's lr and frozen, the models at
+# initialisation, the momentum group at the baseline's lr, claim 10 at 6 layers, and one baseline on another
+# corpus: the harder grammar's saturation check)
+OTHER_DATA = {"grammar-hard-check"}  # trained on another corpus than its part's: out of the part's regime row
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
 MOMENTUM_ONLY = ["hb", "nesterov", "tmm"]  # momentum, no preconditioning
 PRECOND_ONLY = ["rmsprop", "shampoo", "ortho"]  # preconditioning (or orthogonalisation), no momentum
@@ -828,7 +832,7 @@ def main(argv: list[str]) -> int:
         out[name]["reissued"] = v2.rows_json(again)
         reissued += v2.markdown(f"{name}: {what}", again, {r["claim"].split(".")[0]: r["verdict"] for r in rows},
                                 {r["claim"].split(".")[0]: r["paper"] for r in rows})
-        out[name]["regime"] = regimes[name] = v2.regime(part)
+        out[name]["regime"] = regimes[name] = v2.regime(part, OTHER_DATA)
     if not out:
         print(f"Error: no finished study part under {root}", file=sys.stderr)
         return 1

@@ -227,6 +227,10 @@ def holm_family(tests: list[Test]) -> None:
 # the claims
 
 
+SHARED = "momentum-shared-lr"  # the stdlib part's momentum group at the baseline's tuned lr
+SIX_LAYERS = ("uniform-6", "late-lowrank-75-6", "early-heavy-6", "late-lowrank-6")  # claim 10 at 6 layers
+
+
 def _means(p, metric: str, archs: list[str], study: str | None = None) -> dict[str, float]:
     return {a: float(np.mean(v)) for a in archs if len(v := p.values(metric, a, study)) > 0}
 
@@ -255,6 +259,9 @@ def reissue(p, F, root, part: str) -> list[dict]:
         return only is None or n in only
 
     D = F.DELTA
+    # the momentum group at the baseline's tuned lr (the stdlib part, stop 51), where it ran: second readings of
+    # claims 6-8 beside each architecture at its own lr (the baseline's comparison is at that lr)
+    shared = sum(len(p.values("val_loss", a, SHARED)) >= 2 for a in with_m) >= 2
     if want("claim1"):
         rows.append(("1", [difference("cem − baseline", p.values("val_loss", "cem"), p.values("val_loss", van),
                                       margin=D),
@@ -297,6 +304,10 @@ def reissue(p, F, root, part: str) -> list[dict]:
         runs = [r for a in [van, *with_m] for r in p.runs(a)] + p.runs(van, "baseline-wide")
         verdicts = [_standing(r) for r in runs if (r.get("reports") or {}).get("sharpness")]
         t6[0].extra["standing"] = {v: verdicts.count(v) for v in dict.fromkeys(verdicts)}
+        if shared:
+            t6.append(class_vs("at the baseline's lr: momentum − vanilla, tr(H)/n",
+                               list(_means(p, "trace_per_param", with_m, SHARED).values()),
+                               p.values("trace_per_param", van), primary=False))
         rows.append(("6", t6))
     if want("claim7"):
         comp = [van, *with_m]
@@ -317,6 +328,10 @@ def reissue(p, F, root, part: str) -> list[dict]:
                       if r.get("plasticity") is not None and r.get("forgetting") is not None] for a in comp}
         t7.append(correlation_over_means("ρ(plasticity, forgetting) over architecture means", groups))
         t7[2].primary = False
+        if shared:
+            t7.append(class_vs("at the baseline's lr: momentum − vanilla, forgetting",
+                               list(_means(p, "forgetting", with_m, SHARED).values()), p.values("forgetting", van),
+                               primary=False))
         rows.append(("7", t7))
     if want("claim8"):
         archs = [van, *mom]
@@ -327,18 +342,36 @@ def reissue(p, F, root, part: str) -> list[dict]:
         lr = {a: float(np.mean([r["lr"] for r in p.runs(a)])) for a in archs if p.runs(a)}
         lr["baseline-wide"] = float(np.mean([r["lr"] for r in p.runs(van, "baseline-wide")])) \
             if p.runs(van, "baseline-wide") else None
-        rows.append(("8", [correlation_over_means("ρ(tr(H)/n, forgetting) over architecture means", groups,
-                                                  {"lr": lr})]))
+        t8 = [correlation_over_means("ρ(tr(H)/n, forgetting) over architecture means", groups, {"lr": lr})]
+        if shared:  # every architecture at one lr: no lr to partial out
+            at = {a: [(r["trace_per_param"], r["forgetting"]) for r in p.runs(a, SHARED if a != van else None)
+                      if r.get("trace_per_param") is not None and r.get("forgetting") is not None]
+                  for a in [van, *mom]}
+            t8.append(correlation_over_means("at the baseline's lr: ρ(tr(H)/n, forgetting) over architecture means",
+                                             {a: g for a, g in at.items() if g}))
+            t8[-1].primary = False
+        rows.append(("8", t8))
     if only is None:
         rows.append(("9", saturation_tests(F, root, part)))
     if want("claim10"):
-        uni = p.values("val_loss", van)
-        rows.append(("10", [difference("late-lowrank at 75% − uniform", p.values("val_loss", van, "late-lowrank-75"),
-                                       uni, margin=D),
-                            difference("early-heavy − uniform", p.values("val_loss", van, "early-heavy"), uni,
-                                       margin=D, primary=False),
-                            difference("late-lowrank − uniform", p.values("val_loss", van, "late-lowrank"), uni,
-                                       margin=D, primary=False)]))
+        # at 6 layers (the paper's depth; the stdlib part, stop 51) once all four groups have finished: those are the
+        # claim's tests, the 4-layer ones second readings (decided before any 6-layer run had finished)
+        six = {s: p.values("val_loss", van, s) for s in SIX_LAYERS}
+        at6 = all(len(v) >= 2 for v in six.values())
+        t10 = []
+        for depth, uni, names in ((6, six["uniform-6"], ("late-lowrank-75-6", "early-heavy-6", "late-lowrank-6")),
+                                  (4, p.values("val_loss", van), ("late-lowrank-75", "early-heavy", "late-lowrank"))):
+            if depth == 6 and not at6:
+                continue
+            tag = f"at {depth} layers: " if at6 else ""
+            lead = depth == 6 or not at6
+            t10 += [difference(f"{tag}late-lowrank at 75% − uniform", p.values("val_loss", van, names[0]), uni,
+                               margin=D, primary=lead),
+                    difference(f"{tag}early-heavy − uniform", p.values("val_loss", van, names[1]), uni, margin=D,
+                               primary=False),
+                    difference(f"{tag}late-lowrank − uniform", p.values("val_loss", van, names[2]), uni, margin=D,
+                               primary=False)]
+        rows.append(("10", t10))
     # the router controls (where the part ran them): the reference code's absolute router lr, a frozen random router
     controls = [(s, what) for s, what in (("lime-router-abs", "router at lr 1e-2"),
                                           ("lime-frozen", "router frozen at init"))
@@ -504,14 +537,16 @@ def markdown(part: str, rows: list[dict], first: dict[str, str], paper: dict[str
     return md + [""]
 
 
-def regime(p) -> dict:
+def regime(p, other: set[str] | tuple = ()) -> dict:
     """What one part's runs are: tokens per run, parameters, tokens per parameter and epochs (meta.json of each run),
-    and where its measured models stand (the stationarity verdicts of their sharpness reports)."""
+    and where its measured models stand (the stationarity verdicts of their sharpness reports). ``other``: studies
+    trained on another corpus than the part's (the harder grammar's check), left out of the ranges and read apart
+    (``checks``: each run's gap to its corpus's floor)."""
     import json
     from pathlib import Path
 
     # the models at initialisation (the init study: one step at lr 0) are no regime of training: counted apart
-    runs = [r for (study, _), rs in p.groups.items() if study != "init" for r in rs]
+    runs = [r for (study, _), rs in p.groups.items() if study != "init" and study not in other for r in rs]
     at_init = sum(len(rs) for (study, _), rs in p.groups.items() if study == "init")
     metas = []
     for r in runs:
@@ -531,9 +566,22 @@ def regime(p) -> dict:
         lo, hi = fmt.format(min(v)), fmt.format(max(v))
         return lo if lo == hi else f"{lo}–{hi}"
 
+    checks = []
+    for (study, arch), rs in p.groups.items():
+        for r in rs if study in other else []:
+            try:
+                m = json.loads((Path(r["run"]) / "meta.json").read_text())
+            except (OSError, ValueError):
+                m = {}
+            per = m["tokens"] / m["params"]["total"] if m.get("tokens") and isinstance(m.get("params"), dict) else None
+            floor, loss = r.get("val_floor"), r.get("val_loss")
+            checks.append({"study": study, "arch": arch, "seed": r.get("seed"),
+                           "data": (m.get("corpus") or {}).get("source"), "tokens_per_param": per,
+                           "epochs": m.get("epochs"), "val_loss": loss, "floor": floor,
+                           "gap": None if floor is None or loss is None else loss - floor})
     return {"runs": len(runs), "at_init": at_init, "tokens": span(tokens, "{:,}"), "params": span(params, "{:,}"),
             "tokens_per_param": span(ratio, "{:.2f}"), "epochs": span(epochs, "{:.3f}"),
-            "standing": {v: standing.count(v) for v in dict.fromkeys(standing)}}
+            "standing": {v: standing.count(v) for v in dict.fromkeys(standing)}, "checks": checks}
 
 
 def regime_markdown(rows: dict[str, dict]) -> list[str]:
@@ -544,4 +592,13 @@ def regime_markdown(rows: dict[str, dict]) -> list[str]:
         runs = f"{r['runs']} (+{r['at_init']} at initialisation)" if r.get("at_init") else r["runs"]
         md.append(f"| {name} | {runs} | {r['tokens']} | {r['params']} | {r['tokens_per_param']} | {r['epochs']} "
                   f"| {st} |")
-    return md + [""]
+    md.append("")
+    for name, r in rows.items():
+        for c in r.get("checks", []):
+            def f(v, fmt):
+                return "–" if v is None else fmt.format(v)
+            md.append(f"- {name}/{c['study']} ({c['arch']}, seed {c['seed']}, on {c['data'] or 'another corpus'}; "
+                      f"not in the row above): {f(c['tokens_per_param'], '{:.1f}')} tokens per parameter, "
+                      f"{f(c['epochs'], '{:.2f}')} epochs; val loss {f(c['val_loss'], '{:.4f}')} against the exact "
+                      f"floor {f(c['floor'], '{:.4f}')}: {f(c['gap'], '{:.4f}')} nats above it.")
+    return md + ([""] if md[-1] != "" else [])

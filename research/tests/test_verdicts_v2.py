@@ -133,3 +133,105 @@ def test_the_regime_leaves_the_models_at_initialisation_out_of_its_ranges(tmp_pa
     r = V.regime(p)
     assert (r["runs"], r["at_init"], r["tokens"], r["tokens_per_param"]) == (2, 1, "2,000–3,000", "20.00–30.00")
     assert "| toy | 2 (+1 at initialisation) | 2,000–3,000 |" in "\n".join(V.regime_markdown({"toy": r}))
+
+
+def _findings(monkeypatch, claims):
+    spec = importlib.util.spec_from_file_location("findings", SCRIPTS / "findings.py")
+    F = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(F)
+    monkeypatch.setitem(F.PART_CLAIMS, "toy", [getattr(F, c) for c in claims])
+    return F
+
+
+def test_the_momentum_group_at_the_baselines_lr_is_a_second_reading_of_claims_6_and_8(tmp_path, monkeypatch):
+    """momentum-shared-lr (every momentum architecture at the baseline's tuned lr): claim 6 gains the class
+    difference at that lr (architecture means vs the baseline's seeds: scipy's Welch t), claim 8 the Spearman ρ
+    over the architecture means at that lr (scipy's), and the primary tests and verdicts stay as they were; the
+    study's runs are not read as the architectures' own-lr runs."""
+    F = _findings(monkeypatch, ["claim6", "claim8"])
+    rng = np.random.default_rng(5)
+
+    def runs(tr, fg):
+        return [{"seed": s, "trace_per_param": float(a), "trace": float(a) * 1e5, "forgetting": float(b),
+                 "val_loss": 3.0, "lr": 4e-3} for s, (a, b) in enumerate(zip(tr, fg, strict=True))]
+
+    own = ["hb", "nesterov", "tmm", "adam"]
+    p = F.Part(tmp_path, "toy")
+    p.groups = {("core", "baseline"): runs(rng.normal(1.0, 0.05, 5), rng.normal(0.3, 0.02, 5))}
+    for k, a in enumerate(own):
+        p.groups[(a, a)] = runs(rng.normal(0.5 + 0.1 * k, 0.05, 5), rng.normal(0.1 + 0.02 * k, 0.02, 5))
+    before = V.reissue(p, F, tmp_path, "toy")
+    shared = {a: (rng.normal(0.8 - 0.1 * k, 0.05, 5), rng.normal(0.25 - 0.03 * k, 0.02, 5)) for k, a in enumerate(own)}
+    for a, (tr, fg) in shared.items():
+        p.groups[("momentum-shared-lr", a)] = runs(tr, fg)
+    after = V.reissue(p, F, tmp_path, "toy")
+    t6, t8 = ({t.name: t for t in r["tests"]} for r in after)
+    c = t6["at the baseline's lr: momentum − vanilla, tr(H)/n"]
+    means = [float(np.mean(tr)) for tr, _ in shared.values()]
+    base = [r["trace_per_param"] for r in p.groups[("core", "baseline")]]
+    ref = stats.ttest_ind(means, base, equal_var=False)
+    assert not c.primary and (c.est, c.p) == pytest.approx((np.mean(means) - np.mean(base), ref.pvalue), rel=1e-9)
+    r8 = t8["at the baseline's lr: ρ(tr(H)/n, forgetting) over architecture means"]
+    xs = [np.mean(base)] + means
+    ys = [np.mean([r["forgetting"] for r in p.groups[("core", "baseline")]])] + [float(np.mean(f))
+                                                                                for _, f in shared.values()]
+    assert not r8.primary and r8.est == pytest.approx(stats.spearmanr(xs, ys).statistic)
+    for b, a in zip(before, after, strict=True):  # the own-lr tests and the verdicts are untouched
+        assert a["verdict"] == b["verdict"]
+        assert [(t.name, t.est) for t in a["tests"] if t.primary] == [(t.name, t.est) for t in b["tests"]
+                                                                       if t.primary]
+
+
+def test_claim_10_is_tested_at_6_layers_once_its_four_groups_have_run(tmp_path, monkeypatch):
+    """Claim 10 at 6 layers (the paper's depth): with all four 6-layer groups finished, its primary test is the
+    6-layer late-lowrank at 75% − uniform (paired by seed), and the 4-layer tests become second readings; with
+    three of the four, nothing changes."""
+    F = _findings(monkeypatch, ["claim10"])
+    rng = np.random.default_rng(7)
+
+    def runs(loss):
+        return [{"seed": s, "val_loss": float(v)} for s, v in enumerate(loss)]
+
+    p = F.Part(tmp_path, "toy")
+    p.groups = {(s, "baseline"): runs(rng.normal(m, 0.02, 5)) for s, m in
+                (("core", 3.0), ("late-lowrank-75", 3.1), ("early-heavy", 3.05), ("late-lowrank", 3.02))}
+    four = V.reissue(p, F, tmp_path, "toy")[0]
+    assert [t.name for t in four["tests"] if t.primary] == ["late-lowrank at 75% − uniform"]
+    six = {s: rng.normal(m, 0.02, 5) for s, m in
+           (("uniform-6", 2.9), ("late-lowrank-75-6", 2.905), ("early-heavy-6", 2.95), ("late-lowrank-6", 2.97))}
+    for s in list(six)[:3]:
+        p.groups[(s, "baseline")] = runs(six[s])
+    assert [(t.name, t.est) for t in V.reissue(p, F, tmp_path, "toy")[0]["tests"]] == \
+        [(t.name, t.est) for t in four["tests"]]
+    p.groups[("late-lowrank-6", "baseline")] = runs(six["late-lowrank-6"])
+    row = V.reissue(p, F, tmp_path, "toy")[0]
+    prim = [t for t in row["tests"] if t.primary]
+    assert [t.name for t in prim] == ["at 6 layers: late-lowrank at 75% − uniform"]
+    ref = stats.ttest_rel(six["late-lowrank-75-6"], six["uniform-6"])
+    assert (prim[0].est, prim[0].p) == pytest.approx((np.mean(six["late-lowrank-75-6"] - six["uniform-6"]),
+                                                      ref.pvalue), rel=1e-9)
+    names = [t.name for t in row["tests"]]
+    assert "at 4 layers: late-lowrank at 75% − uniform" in names and len(names) == 6
+    assert row["verdict"].startswith(("reproduced", "not reproduced"))
+
+
+def test_the_regime_reads_a_run_on_another_corpus_apart(tmp_path):
+    """regime(..., other): a study on another corpus (the harder grammar's check) is left out of the part's ranges
+    and listed with its gap to that corpus's floor."""
+    def run(name, tokens, params, source, loss=None, floor=None):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "meta.json").write_text(json.dumps({"tokens": tokens, "params": {"total": params}, "epochs": 0.5,
+                                                 "corpus": {"source": source}}))
+        return {"run": str(d), "seed": 0, "val_loss": loss, "val_floor": floor}
+
+    p = SimpleNamespace(groups={("core", "baseline"): [run("a", 2000, 100, "stdlib")],
+                                ("grammar-hard-check", "baseline"): [run("b", 9000, 100, "grammar-hard", 3.5, 3.24)]})
+    r = V.regime(p, {"grammar-hard-check"})
+    assert (r["runs"], r["tokens"], r["tokens_per_param"]) == (1, "2,000", "20.00")
+    (c,) = r["checks"]
+    assert c["gap"] == pytest.approx(0.26) and c["tokens_per_param"] == 90 and c["data"] == "grammar-hard"
+    md = "\n".join(V.regime_markdown({"toy": r}))
+    assert "toy/grammar-hard-check (baseline, seed 0, on grammar-hard; not in the row above): 90.0 tokens" in md
+    assert "0.2600 nats above it." in md
+    assert V.regime(p)["runs"] == 2  # without ``other``: every run counts
