@@ -51,6 +51,7 @@ SPECIAL = {"baseline-wide", "baseline-cem-size", "baseline-lime-flops", "early-h
 # part's controls: the streams zero-initialised, LIMe's router at the reference's lr and frozen, the models at
 # initialisation, the momentum group at the baseline's lr, claim 10 at 6 layers, and one baseline on another
 # corpus: the harder grammar's saturation check)
+LAG1 = "collapse-lag1"  # the context probe's collapse report (collapse-report --lag 1 --name collapse-lag1)
 OTHER_DATA = {"grammar-hard-check"}  # trained on another corpus than its part's: out of the part's regime row
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
 MOMENTUM_ONLY = ["hb", "nesterov", "tmm"]  # momentum, no preconditioning
@@ -76,6 +77,7 @@ class Part:
     def __init__(self, root: Path, name: str):
         self.root, self.name = root / name, name
         self.groups: dict[tuple[str, str], list[dict]] = {}
+        self.lag1: dict[tuple[str, str], list[dict]] = {}  # the same runs read from their lag-1 collapse reports
         if not self.root.is_dir():
             return
         for sj in sorted(self.root.glob("*/study.json")):
@@ -88,10 +90,15 @@ class Part:
                 continue
             for r in records:
                 self.groups.setdefault((study.name, r["arch"]), []).append(r)
+            if any(study.glob(f"*/reports/{LAG1}.json")):  # the context probe's second collapse report
+                for r in collect([study], names={"collapse": LAG1})[0]:
+                    if r["reports"].get("collapse"):
+                        self.lag1.setdefault((study.name, r["arch"]), []).append(r)
 
-    def runs(self, arch: str, study: str | None = None) -> list[dict]:
-        """Runs of ``arch`` in ``study``, or in the part's default-shaped studies when ``study`` is None."""
-        return [r for (s, a), rs in self.groups.items() for r in rs
+    def runs(self, arch: str, study: str | None = None, lag1: bool = False) -> list[dict]:
+        """Runs of ``arch`` in ``study``, or in the part's default-shaped studies when ``study`` is None (``lag1``:
+        their records read from the lag-1 context probe's collapse report, where they have one)."""
+        return [r for (s, a), rs in (self.lag1 if lag1 else self.groups).items() for r in rs
                 if a == arch and (s == study if study else s not in SPECIAL)]
 
     def study_of(self, arch: str, study: str | None = None) -> str | None:

@@ -386,8 +386,9 @@ def reissue(p, F, root, part: str) -> list[dict]:
                     difference(f"control: lime, {what} − baseline", ctl, base, primary=False)]
         rows.append(("11", t11))
     if want("claim12"):
-        def per_run(arch, metric, study=None):
-            rs = [(r["seed"], v) for r in p.runs(arch, study) if (v := F._layer_mean(r, metric)) is not None]
+        def per_run(arch, metric, study=None, lag1=False):
+            rs = [(r["seed"], v) for r in p.runs(arch, study, lag1=lag1)
+                  if (v := F._layer_mean(r, metric)) is not None]
             return F.Values([v for _, v in rs], [s for s, _ in rs])
 
         t12 = [difference("lime − baseline, value entropy (layers ≥ 1)",
@@ -396,6 +397,12 @@ def reissue(p, F, root, part: str) -> list[dict]:
                           per_run(van, "separability"), sign=1)]
         t12 += [difference(f"control: lime, {what} − lime, value entropy", per_run("lime", "value_entropy", s),
                            per_run("lime", "value_entropy"), sign=1, primary=False) for s, what in controls]
+        # the probe the baseline does not saturate (where the part ran it): which of k words was one position back,
+        # from the values at t (collapse-report --lag 1), layers >= 1
+        lag = per_run("lime", "separability", lag1=True), per_run(van, "separability", lag1=True)
+        if min(map(len, lag)) >= 2:
+            t12.append(difference("lime − baseline, separability of the token one back (lag-1 probe)", *lag, sign=1,
+                                  primary=False))
         rows.append(("12", t12))
     if want("claim13"):
         b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")

@@ -235,3 +235,27 @@ def test_the_regime_reads_a_run_on_another_corpus_apart(tmp_path):
     assert "toy/grammar-hard-check (baseline, seed 0, on grammar-hard; not in the row above): 90.0 tokens" in md
     assert "0.2600 nats above it." in md
     assert V.regime(p)["runs"] == 2  # without ``other``: every run counts
+
+
+def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tmp_path, monkeypatch):
+    """Claim 12's separability from the lag-1 context probe (the runs' collapse-lag1 reports, layers >= 1): a paired
+    difference lime − baseline shown where both groups have the report, not deciding the verdict."""
+    F = _findings(monkeypatch, ["claim12"])
+    rng = np.random.default_rng(11)
+
+    def runs(sep, lag0=0.7):
+        return [{"seed": s, "val_loss": 3.0, "layers": [{"layer": 0, "value_entropy": 1.0, "separability": lag0},
+                                                         {"layer": 1, "value_entropy": 1.0, "separability": float(v)},
+                                                         {"layer": 2, "value_entropy": 1.0, "separability": float(v)}]}
+                for s, v in enumerate(sep)]
+
+    p = F.Part(tmp_path, "toy")
+    p.groups = {("core", "baseline"): runs([1.0] * 5), ("core", "lime"): runs([1.0] * 5)}
+    before = V.reissue(p, F, tmp_path, "toy")[0]
+    base, lime = rng.normal(0.84, 0.01, 5), rng.normal(0.86, 0.01, 5)
+    p.lag1 = {("core", "baseline"): runs(base, lag0=0.0), ("core", "lime"): runs(lime, lag0=0.0)}
+    after = V.reissue(p, F, tmp_path, "toy")[0]
+    t = {t.name: t for t in after["tests"]}["lime − baseline, separability of the token one back (lag-1 probe)"]
+    ref = stats.ttest_rel(lime, base)
+    assert not t.primary and (t.est, t.p) == pytest.approx((np.mean(lime - base), ref.pvalue), rel=1e-9)
+    assert after["verdict"] == before["verdict"] and len(after["tests"]) == len(before["tests"]) + 1
