@@ -34,6 +34,8 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
     lock.lock()
     corpora: dict[str, object] = {}
     try:
+        if (study.path / "study.json").exists():  # read again under the lock: what another process wrote before
+            study = open_study(out, plan)         # it let go stays (an extension or re-plan is made on that)
         if study.retune is not None:
             _retune(study, *study.retune)
         for note in study.notes:

@@ -542,6 +542,34 @@ def test_extending_a_grid_keeps_every_finished_run(tmp_path):
                                   grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
 
 
+def test_a_sweep_reads_its_study_again_once_it_holds_the_lock(tmp_path, monkeypatch):
+    """What another process wrote to study.json between this sweep's first read and its lock (its last item's
+    result, as it finished) is kept: the extension is made on the study as read under the lock, not on the stale
+    copy (which would erase that result)."""
+    from cemtool import runs as R
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    real_lock = R.Run.lock
+
+    def lock(self, shared=False):  # the other process's last save lands just before the lock is taken
+        m = json.loads((out / "study.json").read_text())
+        m["items"][0]["val_loss"] = 1.234
+        (out / "study.json").write_text(json.dumps(m))
+        return real_lock(self, shared)
+
+    monkeypatch.setattr(R.Run, "lock", lock)
+
+    def stop(ev):
+        if ev["kind"] == "item":
+            raise KeyboardInterrupt
+
+    wider = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=["train.lr=1e-3,3e-3,1e-2,3e-2"])
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(out, wider, device="cpu", callback=stop)
+    items = manifest(out)["items"]
+    assert len(items) == 16 and items[0]["val_loss"] == 1.234
+
+
 def test_extending_a_study_by_seeds_keeps_every_finished_run(tmp_path):
     """More seeds are an extension too (a third tuning seed, more comparison seeds where the MDE asks for them):
     the new seeds' runs are appended, the stored seeds keep their order, and a choice made on two tuning seeds is
