@@ -168,7 +168,8 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the runs the study would train (and, with "
                                                             "--tuned, write the selection); train nothing")] = False,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="the study directory (rerunning the same "
-                                                "command there continues it)")] = None,
+                                                "command there continues it; with more --grid values or more "
+                                                "--seeds it extends it, keeping every run)")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="continue the study in this directory as it was planned")]
     = None,
     device: Annotated[str, typer.Option(help="auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")] = "auto",
