@@ -38,7 +38,8 @@ class Study:
         self.plan = Plan.from_dict(manifest["plan"])
         self.notes: list[str] = []  # what opening it changed (a grid extension), for the caller to say
         self.owned: set[str] | None = None  # a worker of --jobs: the items it writes (None: the whole manifest)
-        self.retune: tuple[Plan, list[str]] | None = None  # a re-planned comparison, for run_sweep to apply
+        self.retune: tuple[Plan, list[str], list[int]] | None = None  # a re-planned comparison (and the seeds it
+        # adds), for run_sweep to apply
 
     def save(self) -> None:
         self.manifest["updated"] = now()
@@ -92,9 +93,10 @@ def open_study(out: str | Path, plan: Plan | None = None) -> Study:
             if added == {}:  # the same values, listed in another order: the same study
                 return Study(out, manifest)
             retuned = retuned_archs(stored, plan)
-            if retuned:  # applied by run_sweep once it holds the study's lock
+            if retuned:  # applied by run_sweep once it holds the study's lock, the added seeds after it
                 study = Study(out, manifest)
-                study.retune = (plan, retuned)
+                study.retune = (replace(plan, seeds=stored.seeds), retuned,
+                                [x for x in plan.seeds if x not in stored.seeds])
                 return study
             if added is None:
                 diff = [k for k in stored.to_dict() if stored.to_dict()[k] != plan.to_dict()[k]]
@@ -299,19 +301,21 @@ def study_extension(stored: Plan, plan: Plan) -> dict | None:
 
 def retuned_archs(stored: Plan, plan: Plan) -> list[str] | None:
     """The architectures whose tuned values differ when ``plan`` is ``stored`` re-planned from the same tuning study
-    after its choice changed (its grid was extended), and nothing else differs; None otherwise."""
-    if stored.tuned_from is None or replace(plan, arch_overrides=stored.arch_overrides) != stored:
-        return None
+    after its choice changed (its grid was extended), and nothing else differs but more seeds; None otherwise."""
+    if stored.tuned_from is None or not set(stored.seeds) <= set(plan.seeds) \
+            or replace(plan, arch_overrides=stored.arch_overrides, seeds=stored.seeds) != stored:
+        return None  # (more seeds, or the same in another order, are allowed: run_sweep adds them after)
     changed = [a for a in stored.archs if stored.arch_overrides.get(a) != plan.arch_overrides.get(a)]
     return changed or None
 
 
-def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
+def _retune(study: Study, plan: Plan, archs: list[str], seeds: list[int] | tuple = ()) -> Study:
     """Continue a comparison study whose tuning study now chooses other values for ``archs``: their runs (and
     fine-tunes) move, whole, to ``superseded-<time>/`` inside the study and their items start afresh at the new
     values; every other architecture's runs are kept. Recorded in study.json (``retuned``) and said in
     ``study.notes``. Called with the study's lock held; refused, before anything moves, while a run of those
-    architectures is locked by another process or is a symbolic link."""
+    architectures is locked by another process or is a symbolic link. ``seeds``: comparison seeds the same command
+    adds, appended after the re-planning (:func:`_extend`)."""
     stamp = now().replace(":", "")[:17]
     aside = next(p for k in range(1000) if not (p := study.path / f"superseded-{stamp}{f'-{k}' if k else ''}").exists())
     fresh = {it["name"]: it for it in new_manifest(plan)["items"]}
@@ -345,6 +349,8 @@ def _retune(study: Study, plan: Plan, archs: list[str]) -> Study:
                        + "; every other architecture's runs are kept")
     study.retune = None
     study.save()  # at once: the moved runs are recorded before anything else can fail
+    if seeds:  # more comparison seeds asked for in the same command: an extension of the re-planned study
+        _extend(study, replace(plan, seeds=(*plan.seeds, *seeds)), {"seeds": list(seeds)})
     return study
 
 

@@ -32,10 +32,15 @@ def run_sweep(out: str | Path, plan: Plan | None = None, *, device: str | torch.
     dev = device if isinstance(device, torch.device) else pick_device(device)
     lock = Run(study.path)  # the run-directory lock, on the study directory
     lock.lock()
+    try:  # read again under the lock: what another process wrote before it let go stays (an extension or
+        # re-plan is made on that); refused now (that process changed the plan), nothing of ours is written
+        if (study.path / "study.json").exists():
+            study = open_study(out, plan)
+    except BaseException:
+        lock.unlock()
+        raise
     corpora: dict[str, object] = {}
     try:
-        if (study.path / "study.json").exists():  # read again under the lock: what another process wrote before
-            study = open_study(out, plan)         # it let go stays (an extension or re-plan is made on that)
         if study.retune is not None:
             _retune(study, *study.retune)
         for note in study.notes:

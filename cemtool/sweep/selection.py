@@ -109,8 +109,8 @@ def grid_shortfall(grid: list[str] | tuple, points: list[dict], best: dict) -> d
     between the neighbours, and ``gain`` = chosen mean − the parabola's minimum (>= 0: the chosen mean is the lowest
     of the three). {key: {"values", "means", "vertex", "gain"}}; a key is left out when the choice is at its edge
     (:func:`grid_edges`: the best value may lie beyond) or a neighbour has no mean (a failed run). A point
-    estimate from the tuning seeds' means, not a bound: a gain of the size of the means' spread says the grid is
-    too coarse to tell, not that the gain is there."""
+    estimate from the tuning seeds' means, as noisy as they are, not a bound: a gain within the means' spread is no
+    evidence of a better value."""
     out = {}
     means = {json.dumps(p["point"], sort_keys=True): p["mean_val_loss"] for p in points}
     for key, values in parse_grid(tuple(grid)):

@@ -231,6 +231,7 @@ stdlib() {
   # claim 10 as its paper ran it: 6-layer decoders (the same width), uniform, early-heavy, late-lowrank and
   # late-lowrank at 75% of the attention budget; 7,372,800 tokens (3,600 steps): 20.07 tokens per parameter for
   # the 367,424 of the 6-layer baseline, 0.64 epochs; tuned over the three values around the 4-layer choices
+  # (4e-3, and 8e-3 for late-lowrank-75: this grid's edge, extended by one value if chosen there again)
   SIX=(--data stdlib --tokens 7372800 --set data.tokenizer=bpe --set data.bpe_vocab_size=1024
        --set model.d_model=64 --set model.n_layer=6 --set model.n_head=4
        --set data.seq_len=128 --set train.batch_size=16)
@@ -249,7 +250,7 @@ stdlib() {
   # the grid refined where the first one was too coarse (stop 51, on the finished tuning studies): a x sqrt(2)
   # grid around the choice and a third tuning seed wherever the log-parabola through the chosen point and its
   # neighbours (selection.json's shortfall) put the gain above 0.01 nats (baseline-wide 0.026, lime-router-abs
-  # 0.012; every other group 0.006 or less), and one more value where the choice was at the grid's edge
+  # 0.012; every other group 0.0061 or less), and one more value where the choice was at the grid's edge
   # (nesterov-zero: 1.6e-2). Both are extensions of the tuning study: its finished runs are kept, and the
   # comparison is re-planned only if the choice moves (docs/sweep.md)
   local fine=$grid,5.66e-3,1.13e-2 edge=$grid,3.2e-2 grid6=train.lr=2e-3,4e-3,8e-3

@@ -115,8 +115,9 @@ def test_stdlib_part_is_the_20_tokens_per_parameter_regime():
 
 
 def test_stdlib_refined_grid_values_are_the_sqrt2_steps_and_the_next_doubling():
-    """The stdlib part's refinement (stop 51): the x sqrt(2) values between the factor-2 grid's values around the
-    refined choices (4e-3 -> 5.66e-3, 8e-3 -> 1.13e-2, to three figures) and, past the edge, the next doubling."""
+    """The stdlib part's refinement (stop 51): the x sqrt(2) values on either side of the refined choices (both
+    chose 8e-3: 4e-3 -> 5.66e-3 below it, 8e-3 -> 1.13e-2 above it, to three figures), absent from the factor-2
+    grid, and, past the edge, the next doubling; a third tuning seed for both refined groups."""
     body = re.search(r"^stdlib\(\) \{\n(.*?)^\}", SCRIPT, re.S | re.M).group(1)
     grid = re.search(r"local grid=train\.lr=(\S+) ", body).group(1).split(",")
     fine, edge = re.search(r"local fine=\$grid,(\S+) edge=\$grid,(\S+)", body).groups()
@@ -125,7 +126,8 @@ def test_stdlib_refined_grid_values_are_the_sqrt2_steps_and_the_next_doubling():
     assert [float(x) for x in fine.split(",")] == [float(f"{lr * 2 ** 0.5:.3g}") for lr in (4e-3, 8e-3)]
     assert all(float(x) not in lrs for x in fine.split(","))
     assert float(edge) == pytest.approx(2 * max(lrs))
-    assert "TUNE_SEEDS=$TUNE_SEEDS,102 group \"$o\" baseline-wide" in body  # a third tuning seed where refined
+    for g in ("baseline-wide", "lime-router-abs"):  # a third tuning seed where refined, on the fine grid
+        assert re.search(rf'TUNE_SEEDS=\$TUNE_SEEDS,102 group "\$o" {g} \S+ \S+ \$S "\$fine"', body), g
 
 
 def test_stdlib_six_layer_allocation_groups_are_claim_10s_regime():

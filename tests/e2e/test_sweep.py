@@ -570,6 +570,35 @@ def test_a_sweep_reads_its_study_again_once_it_holds_the_lock(tmp_path, monkeypa
     assert len(items) == 16 and items[0]["val_loss"] == 1.234
 
 
+def test_a_refused_reread_under_the_lock_writes_nothing(tmp_path, monkeypatch):
+    """When the study read again under the lock refuses this sweep's plan (another process extended it another
+    way meanwhile), study.json stays as that process left it: nothing of the stale copy is written."""
+    from cemtool import runs as R
+
+    out = fake_tuning(tmp_path / "tune", LOSSES)
+    real_lock = R.Run.lock
+    theirs = {}
+
+    def lock(self, shared=False):  # meanwhile, the other process extended the grid by another value and saved
+        from cemtool.sweep import open_study
+        other = open_study(out, make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE,
+                                          grid=["train.lr=1e-3,3e-3,1e-2,3e-2"]))
+        other.manifest["items"][0]["val_loss"] = 1.5
+        other.save()
+        theirs["text"] = (out / "study.json").read_text()
+        return real_lock(self, shared)
+
+    m = manifest(out)
+    m["status"] = "running"  # our first read: while the other process runs
+    (out / "study.json").write_text(json.dumps(m))
+    monkeypatch.setattr(R.Run, "lock", lock)
+    mine = make_plan("baseline,tmm", "10,11", tokens=TOKENS, overrides=TUNE, grid=["train.lr=1e-3,3e-3,1e-2,1e-1"])
+    with pytest.raises(CemtoolError, match="planned with other settings"):
+        run_sweep(out, mine, device="cpu")
+    assert (out / "study.json").read_text() == theirs["text"]
+    R.Run(out).lock()  # and the lock was let go
+
+
 def test_extending_a_study_by_seeds_keeps_every_finished_run(tmp_path):
     """More seeds are an extension too (a third tuning seed, more comparison seeds where the MDE asks for them):
     the new seeds' runs are appended, the stored seeds keep their order, and a choice made on two tuning seeds is
@@ -702,6 +731,41 @@ def test_grid_sweep_resumes_then_the_comparison_trains_at_the_choice(tmp_path):
     assert "Note: extending the study (train.lr + 1e-3): 1 new run(s)" in res.output
     assert snapshot(*(tune / i["run"] for i in done["items"])) == kept
     assert [i["status"] for i in manifest(tune)["items"]] == ["completed"] * 3
+
+
+def test_a_retuned_comparison_can_gain_seeds_in_the_same_command(tmp_path):
+    """A comparison whose tuning choice moved, rerun with more seeds (or its seeds in another order): it is
+    re-planned (the moved architecture's items afresh, the other's kept) and the new seeds' items are appended
+    after, both recorded; the stored seeds keep their order."""
+    from cemtool.sweep import open_study
+
+    out = tmp_path / "cmp"
+    before = make_plan("baseline,tmm", "8,7", tokens=TOKENS // 2, overrides=TUNE,
+                       arch_overrides={"baseline": ["train.lr=1e-4"], "tmm": ["train.lr=3e-3"]}, tuned_from="tune")
+    study = open_study(out, before)
+    for it in study.manifest["items"]:
+        it.update(status="completed", val_loss=2.0)
+    study.manifest["status"] = "completed"
+    study.save()
+
+    def stop(ev):
+        if ev["kind"] == "item":
+            raise KeyboardInterrupt
+
+    after = make_plan("baseline,tmm", "7,9,8", tokens=TOKENS // 2, overrides=TUNE,
+                      arch_overrides={"baseline": ["train.lr=3e-3"], "tmm": ["train.lr=3e-3"]}, tuned_from="tune")
+    notes: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(out, after, device="cpu",
+                  callback=lambda ev: (ev["kind"] == "note" and notes.append(ev["text"])) or stop(ev))
+    m = manifest(out)
+    assert m["plan"]["seeds"] == [8, 7, 9] and m["plan"]["arch_overrides"]["baseline"] == ["train.lr=3e-3"]
+    assert [(i["name"], i["status"]) for i in m["items"]] == [
+        ("baseline-s8", "pending"), ("tmm-s8", "completed"), ("baseline-s7", "pending"), ("tmm-s7", "completed"),
+        ("baseline-s9", "pending"), ("tmm-s9", "pending")]
+    assert m["retuned"][0]["archs"] == {"baseline": {"from": ["train.lr=1e-4"], "to": ["train.lr=3e-3"]}}
+    assert m["extensions"][0]["seeds_added"] == [9] and m["extensions"][0]["seeds_before"] == [8, 7]
+    assert len(notes) == 2 and "seeds + 9" in notes[1]
 
 
 def test_a_changed_tuning_choice_retrains_only_those_architectures(tmp_path):
