@@ -276,6 +276,11 @@ def test_claim8_waits_for_the_momentum_models():
                                      for s in range(3)]
     assert F.claim8(P())["verdict"] != "not run yet" and "21 runs" in F.claim8(P())["ours"]
     assert "negative" not in F.claim8(P())["detail"]
+    # the momentum group at the baseline's lr (the same architectures at a second lr) is not pooled in
+    first = F.claim8(P())
+    P.groups[("momentum-shared-lr", "tmm")] = [run("tmm", s, 9e-3, 0.01) for s in range(3)]
+    assert F.claim8(P()) == first
+    del P.groups[("momentum-shared-lr", "tmm")]
     # a negative trace (an indefinite Hessian) is counted, and named with the correlation without it
     P.groups[("momentum", "shampoo")] = [run("shampoo", 0, -2e-3, 0.05)]
     out = F.claim8(P())
