@@ -567,7 +567,16 @@ def saturation_dirs(root: Path, part: str) -> list[Path]:
     (research/scripts/study.sh saturation: ROOT/saturation; else the first study's,
     research/sample_runs/study-saturation),
     the pydoc part's the sweep on its own text (ROOT/pydoc/saturation)."""
+    if part == "stdlib":  # the fixed-head-count sweep trained 10x longer (at 300 steps no model neared the floor)
+        return [root / part / "saturation-rope-heads-long"]
     return [root / "saturation", SATURATION_SAMPLE] if part == "grammar" else [root / part / "saturation"]
+
+
+# the controls of claim 9 a part ran beside its own sweep (second readings of the re-issued table): sweep, what
+SATURATION_CONTROLS = {"stdlib": [("saturation-rope", "RoPE at a fixed budget, 300 steps"),
+                                  ("saturation-learned", "learned positions at a fixed budget, 300 steps"),
+                                  ("saturation-nope", "no positions at a fixed budget, 300 steps"),
+                                  ("saturation-rope-heads", "RoPE at 4 heads, 300 steps")]}
 
 
 def saturation_row(root: Path, part: str = "grammar") -> dict:

@@ -432,38 +432,59 @@ def reissue(p, F, root, part: str) -> list[dict]:
     return [{"claim": n, "tests": ts, "verdict": verdict(n, ts)} for n, ts in rows]
 
 
-def saturation_tests(F, root, part: str) -> list[Test]:
-    """Claim 9: the fall of the returns of d_h at the longest T (gain of the first doubling minus gain of the last,
-    paired by seed), with every head size and without d_h = 2, and its growth from the shortest to the longest T."""
+def _sweep_losses(path):
+    """A saturation sweep's final losses {(T, d_h): {seed: loss}}, its lengths, head sizes and common seeds."""
     import json
 
-    src = next((d for d in F.saturation_dirs(root, part) if (d / "reports" / "saturation_sweep.json").is_file()), None)
-    if src is None:
-        return [Test("fall of the returns at the longest T", None, sign=1)]
-    rep = json.loads((src / "reports" / "saturation_sweep.json").read_text())
+    rep = json.loads((path / "reports" / "saturation_sweep.json").read_text())
     loss: dict = {}
     for r in rep["results"]:
         if r.get("val_loss") is not None and math.isfinite(r["val_loss"]):
             loss.setdefault((r["seq_len"], r["head_dim"]), {})[r["seed"]] = r["val_loss"]
     lens, dims = sorted({t for t, _ in loss}), sorted({d for _, d in loss})
     seeds = sorted(set.intersection(*(set(v) for v in loss.values())))
-    ids = list(range(len(seeds)))
+    return loss, lens, dims, seeds
 
-    def fall(t, ds):
-        return F.Values([(loss[(t, ds[0])][s] - loss[(t, ds[1])][s]) - (loss[(t, ds[-2])][s] - loss[(t, ds[-1])][s])
-                         for s in seeds], ids)
 
-    zero = F.Values([0.0] * len(seeds), ids)
-    out = [difference(f"fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
-                      fall(lens[-1], dims), zero, sign=1),
-           difference(f"the same without d_h = {dims[0]} (d_h {dims[1]}→{dims[2]} vs {dims[-2]}→{dims[-1]})",
-                      fall(lens[-1], dims[1:]), zero, sign=1),
-           difference(f"its growth, T = {lens[0]} → {lens[-1]}", fall(lens[-1], dims), fall(lens[0], dims), sign=1,
-                      primary=False),
-           difference(f"its growth without d_h = {dims[0]}", fall(lens[-1], dims[1:]), fall(lens[0], dims[1:]),
-                      sign=1, primary=False)]
-    for t in out:
+def _fall(F, sweep, t, ds):
+    """fall(T) per seed: (gain of the first doubling of ds) - (gain of the last)."""
+    loss, _, _, seeds = sweep
+    return F.Values([(loss[(t, ds[0])][s] - loss[(t, ds[1])][s]) - (loss[(t, ds[-2])][s] - loss[(t, ds[-1])][s])
+                     for s in seeds], list(range(len(seeds))))
+
+
+def saturation_tests(F, root, part: str) -> list[Test]:
+    """Claim 9: the fall of the returns of d_h at the longest T (gain of the first doubling minus gain of the last,
+    paired by seed), with every head size and without d_h = 2, and its growth from the shortest to the longest T;
+    then, where the part ran them (F.SATURATION_CONTROLS), each control sweep's fall at its longest T, a second
+    reading."""
+    src = next((d for d in F.saturation_dirs(root, part) if (d / "reports" / "saturation_sweep.json").is_file()), None)
+    out = [Test("fall of the returns at the longest T", None, sign=1)]
+    if src is not None:
+        sw = _sweep_losses(src)
+        _, lens, dims, seeds = sw
+        zero = F.Values([0.0] * len(seeds), list(range(len(seeds))))
+        out = [difference(f"fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
+                          _fall(F, sw, lens[-1], dims), zero, sign=1),
+               difference(f"the same without d_h = {dims[0]} (d_h {dims[1]}→{dims[2]} vs {dims[-2]}→{dims[-1]})",
+                          _fall(F, sw, lens[-1], dims[1:]), zero, sign=1),
+               difference(f"its growth, T = {lens[0]} → {lens[-1]}", _fall(F, sw, lens[-1], dims),
+                          _fall(F, sw, lens[0], dims), sign=1, primary=False),
+               difference(f"its growth without d_h = {dims[0]}", _fall(F, sw, lens[-1], dims[1:]),
+                          _fall(F, sw, lens[0], dims[1:]), sign=1, primary=False)]
+        for t in out:
+            t.unit = f"{len(seeds)} seeds, paired"
+    for name, what in F.SATURATION_CONTROLS.get(part, ()):
+        d = root / part / name
+        if not (d / "reports" / "saturation_sweep.json").is_file():
+            continue
+        sw = _sweep_losses(d)
+        _, lens, dims, seeds = sw
+        t = difference(f"control, {what}: fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
+                       _fall(F, sw, lens[-1], dims), F.Values([0.0] * len(seeds), list(range(len(seeds)))),
+                       sign=1, primary=False)
         t.unit = f"{len(seeds)} seeds, paired"
+        out.append(t)
     return out
 
 

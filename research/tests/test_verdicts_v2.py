@@ -264,3 +264,35 @@ def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tm
     ref = stats.ttest_rel(lime, base)
     assert not t.primary and (t.est, t.p) == pytest.approx((np.mean(lime - base), ref.pvalue), rel=1e-9)
     assert after["verdict"] == before["verdict"] and len(after["tests"]) == len(before["tests"]) + 1
+
+
+def test_stdlib_claim_9_reads_its_long_sweep_and_its_controls_apart(tmp_path, monkeypatch):
+    """The stdlib part's claim 9: the primary tests come from the 4-head sweep trained 3,000 steps
+    (saturation-rope-heads-long), the fall of the returns per seed by hand; each control sweep the part ran is a
+    second reading (its fall at the longest T), also before the long sweep exists."""
+    F = _findings(monkeypatch, [])
+    rng = np.random.default_rng(13)
+    dims, lens, seeds = [2, 4, 8, 16], [16, 64], [0, 1, 2]
+
+    def sweep(name, shift):
+        loss = {(t, d, s): 2.0 - 0.1 * (t / 64) * np.log2(d) ** 0.5 + shift + rng.normal(0, 0.01)
+                for t in lens for d in dims for s in seeds}
+        d = tmp_path / "stdlib" / name / "reports"
+        d.mkdir(parents=True)
+        (d / "saturation_sweep.json").write_text(json.dumps({"results": [
+            {"seq_len": t, "head_dim": h, "seed": s, "val_loss": v} for (t, h, s), v in loss.items()]}))
+        return loss
+
+    ctl = sweep("saturation-nope", 0.5)
+    before = V.saturation_tests(F, tmp_path, "stdlib")
+    assert before[0].est is None and before[0].primary and len(before) == 2
+    fall_ctl = [(ctl[(64, 2, s)] - ctl[(64, 4, s)]) - (ctl[(64, 8, s)] - ctl[(64, 16, s)]) for s in seeds]
+    assert not before[1].primary and before[1].name.startswith("control, no positions")
+    assert before[1].est == pytest.approx(np.mean(fall_ctl), rel=1e-12)
+    main = sweep("saturation-rope-heads-long", 0.0)
+    tests = V.saturation_tests(F, tmp_path, "stdlib")
+    fall = [(main[(64, 2, s)] - main[(64, 4, s)]) - (main[(64, 8, s)] - main[(64, 16, s)]) for s in seeds]
+    assert tests[0].primary and tests[0].est == pytest.approx(np.mean(fall), rel=1e-12)
+    assert tests[0].p == pytest.approx(stats.ttest_1samp(fall, 0.0).pvalue, rel=1e-9)
+    assert [t.primary for t in tests] == [True, True, False, False, False]
+    assert tests[-1].est == pytest.approx(np.mean(fall_ctl), rel=1e-12)
