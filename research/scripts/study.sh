@@ -269,8 +269,9 @@ stdlib() {
     elif [ ${#DRY[@]} -gt 0 ]; then echo "== $o/momentum-shared-lr (after tune/baseline has selected)"
     else echo "$(date -u +%FT%TZ) skip  $o/momentum-shared-lr (tune/baseline has not selected yet)" >> "$OUT/study.log"
     fi
-    # whether the harder built-in grammar saturates at this budget: one baseline at 25.8 tokens per parameter
-    # (the stdlib runs' 6,881,280 tokens), 0.86 epochs of an 8M-token sample, its gap to the exact floor
+    # whether the harder built-in grammar saturates at this budget: one baseline on the stdlib runs' 6,881,280
+    # tokens (29.6 tokens per parameter for its 232,192), 0.86 epochs of an 8M-token sample, its gap to the exact
+    # floor (stop 51: 0.0117 nats, so no group is trained on it; findings.md)
     sweep "$o/grammar-hard-check" --archs baseline --seeds 0 --data grammar-hard --tokens 6881280 \
       --set data.train_tokens=8000000 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4 \
       --set data.seq_len=128 --set train.batch_size=16 --set train.lr=4e-3
