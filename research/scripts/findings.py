@@ -32,7 +32,9 @@ import numpy as np
 from scipy import stats
 
 from cemtool.analysis.compare import collect, spearman, welch
+from cemtool.analysis.run_records import collapse_fields
 from cemtool.errors import CemtoolError
+from cemtool.report import named_reports
 from cemtool.sweep.selection import grid_shortfall
 from cemtool.writes import atomic_write_json, atomic_write_text
 
@@ -90,10 +92,11 @@ class Part:
                 continue
             for r in records:
                 self.groups.setdefault((study.name, r["arch"]), []).append(r)
-            if any(study.glob(f"*/reports/{LAG1}.json")):  # the context probe's second collapse report
-                for r in collect([study], names={"collapse": LAG1})[0]:
-                    if r["reports"].get("collapse"):
-                        self.lag1.setdefault((study.name, r["arch"]), []).append(r)
+            for r in records:  # the context probe's second collapse report, where the run has one
+                if LAG1 in r["other_reports"]["collapse"]:
+                    rep = next(n.report for n in named_reports(r["run"], "collapse") if n.name == LAG1)
+                    if fields := collapse_fields(rep):  # (none from an empty report: not the first report's)
+                        self.lag1.setdefault((study.name, r["arch"]), []).append({**r, **fields})
 
     def runs(self, arch: str, study: str | None = None, lag1: bool = False) -> list[dict]:
         """Runs of ``arch`` in ``study``, or in the part's default-shaped studies when ``study`` is None (``lag1``:

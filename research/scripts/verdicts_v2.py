@@ -356,21 +356,18 @@ def reissue(p, F, root, part: str) -> list[dict]:
     if want("claim10"):
         # at 6 layers (the paper's depth; the stdlib part, stop 51) once all four groups have finished: those are the
         # claim's tests, the 4-layer ones second readings (decided before any 6-layer run had finished)
-        six = {s: p.values("val_loss", van, s) for s in SIX_LAYERS}
-        at6 = all(len(v) >= 2 for v in six.values())
+        at6 = all(len(p.values("val_loss", van, s)) >= 2 for s in SIX_LAYERS)
         t10 = []
-        for depth, uni, names in ((6, six["uniform-6"], ("late-lowrank-75-6", "early-heavy-6", "late-lowrank-6")),
-                                  (4, p.values("val_loss", van), ("late-lowrank-75", "early-heavy", "late-lowrank"))):
-            if depth == 6 and not at6:
-                continue
-            tag = f"at {depth} layers: " if at6 else ""
-            lead = depth == 6 or not at6
-            t10 += [difference(f"{tag}late-lowrank at 75% − uniform", p.values("val_loss", van, names[0]), uni,
-                               margin=D, primary=lead),
-                    difference(f"{tag}early-heavy − uniform", p.values("val_loss", van, names[1]), uni, margin=D,
-                               primary=False),
-                    difference(f"{tag}late-lowrank − uniform", p.values("val_loss", van, names[2]), uni, margin=D,
-                               primary=False)]
+        for suffix in ("-6", "") if at6 else ("",):  # the first depth read is the primary one
+            tag = ("at 6 layers: " if suffix else "at 4 layers: ") if at6 else ""
+            uni = p.values("val_loss", van, "uniform-6") if suffix else p.values("val_loss", van)
+            t10 += [difference(f"{tag}late-lowrank at 75% − uniform", p.values("val_loss", van,
+                                                                              f"late-lowrank-75{suffix}"),
+                               uni, margin=D, primary=not t10),
+                    difference(f"{tag}early-heavy − uniform", p.values("val_loss", van, f"early-heavy{suffix}"), uni,
+                               margin=D, primary=False),
+                    difference(f"{tag}late-lowrank − uniform", p.values("val_loss", van, f"late-lowrank{suffix}"), uni,
+                               margin=D, primary=False)]
         rows.append(("10", t10))
     # the router controls (where the part ran them): the reference code's absolute router lr, a frozen random router
     controls = [(s, what) for s, what in (("lime-router-abs", "router at lr 1e-2"),
@@ -447,9 +444,10 @@ def _sweep_losses(path):
 
 
 def _fall(F, sweep, t, ds):
-    """fall(T) per seed: (gain of the first doubling of ds) - (gain of the last)."""
+    """fall(T) per seed: (gain of the first doubling of ds) - (gain of the last); ``ds`` None: zero per seed."""
     loss, _, _, seeds = sweep
-    return F.Values([(loss[(t, ds[0])][s] - loss[(t, ds[1])][s]) - (loss[(t, ds[-2])][s] - loss[(t, ds[-1])][s])
+    return F.Values([0.0 if ds is None else
+                     (loss[(t, ds[0])][s] - loss[(t, ds[1])][s]) - (loss[(t, ds[-2])][s] - loss[(t, ds[-1])][s])
                      for s in seeds], list(range(len(seeds))))
 
 
@@ -463,7 +461,7 @@ def saturation_tests(F, root, part: str) -> list[Test]:
     if src is not None:
         sw = _sweep_losses(src)
         _, lens, dims, seeds = sw
-        zero = F.Values([0.0] * len(seeds), list(range(len(seeds))))
+        zero = _fall(F, sw, None, None)
         out = [difference(f"fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
                           _fall(F, sw, lens[-1], dims), zero, sign=1),
                difference(f"the same without d_h = {dims[0]} (d_h {dims[1]}→{dims[2]} vs {dims[-2]}→{dims[-1]})",
@@ -481,8 +479,7 @@ def saturation_tests(F, root, part: str) -> list[Test]:
         sw = _sweep_losses(d)
         _, lens, dims, seeds = sw
         t = difference(f"control, {what}: fall at T = {lens[-1]}, d_h {dims[0]}→{dims[1]} vs {dims[-2]}→{dims[-1]}",
-                       _fall(F, sw, lens[-1], dims), F.Values([0.0] * len(seeds), list(range(len(seeds)))),
-                       sign=1, primary=False)
+                       _fall(F, sw, lens[-1], dims), _fall(F, sw, None, None), sign=1, primary=False)
         t.unit = f"{len(seeds)} seeds, paired"
         out.append(t)
     return out

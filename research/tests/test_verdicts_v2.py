@@ -84,14 +84,19 @@ def test_correlation_over_means_is_spearman_of_the_means():
     assert t.lo <= t.est <= t.hi and "6 architecture means" in t.unit
 
 
+def _findings(monkeypatch, claims):
+    spec = importlib.util.spec_from_file_location("findings", SCRIPTS / "findings.py")
+    F = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(F)
+    monkeypatch.setitem(F.PART_CLAIMS, "toy", [getattr(F, c) for c in claims])
+    return F
+
+
 def test_router_controls_are_extra_rows_of_claims_11_and_12_where_the_part_ran_them(tmp_path, monkeypatch):
     """The LIMe router controls (the reference's router lr, a frozen router) are second readings of claims 11 and
     12: paired differences against lime and the baseline, shown where the part ran them, leaving the primary
     tests, their Holm p and the verdicts as they were."""
-    spec = importlib.util.spec_from_file_location("findings", SCRIPTS / "findings.py")
-    F = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(F)
-    monkeypatch.setitem(F.PART_CLAIMS, "toy", [F.claim11, F.claim12])
+    F = _findings(monkeypatch, ["claim11", "claim12"])
     rng = np.random.default_rng(3)
 
     def runs(loss, entropy):
@@ -133,14 +138,6 @@ def test_the_regime_leaves_the_models_at_initialisation_out_of_its_ranges(tmp_pa
     r = V.regime(p)
     assert (r["runs"], r["at_init"], r["tokens"], r["tokens_per_param"]) == (2, 1, "2,000–3,000", "20.00–30.00")
     assert "| toy | 2 (+1 at initialisation) | 2,000–3,000 |" in "\n".join(V.regime_markdown({"toy": r}))
-
-
-def _findings(monkeypatch, claims):
-    spec = importlib.util.spec_from_file_location("findings", SCRIPTS / "findings.py")
-    F = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(F)
-    monkeypatch.setitem(F.PART_CLAIMS, "toy", [getattr(F, c) for c in claims])
-    return F
 
 
 def test_the_momentum_group_at_the_baselines_lr_is_a_second_reading_of_claims_6_to_8(tmp_path, monkeypatch):
