@@ -48,11 +48,11 @@ PARTS = {"grammar": "grammar corpus, AdamW", "grammar-muon": "grammar corpus, Mu
          "stdlib": "the standard library's source (BPE 1,024), >= 20 tokens per parameter, AdamW"}
 SPECIAL = {"baseline-wide", "baseline-cem-size", "baseline-lime-flops", "early-heavy", "late-lowrank",
            "late-lowrank-75", "depth12", "tmm-zero", "hb-zero", "nesterov-zero", "lime-router-abs", "lime-frozen",
-           "init", "momentum-shared-lr", "uniform-6", "early-heavy-6", "late-lowrank-6", "late-lowrank-75-6",
-           "grammar-hard-check"}  # studies that hold a variant of an architecture, not its default (the stdlib
-# part's controls: the streams zero-initialised, LIMe's router at the reference's lr and frozen, the models at
-# initialisation, the momentum group at the baseline's lr, claim 10 at 6 layers, and one baseline on another
-# corpus: the harder grammar's saturation check)
+           "init", v2.SHARED, *v2.SIX_LAYERS, "grammar-hard-check"}
+# studies that hold a variant of an architecture, not its default (the stdlib part's controls: the streams
+# zero-initialised, LIMe's router at the reference's lr and frozen, the models at initialisation, the momentum
+# group at the baseline's lr, claim 10 at 6 layers, and one baseline on another corpus: the harder grammar's
+# saturation check)
 LAG1 = "collapse-lag1"  # the context probe's collapse report (collapse-report --lag 1 --name collapse-lag1)
 OTHER_DATA = {"grammar-hard-check"}  # trained on another corpus than its part's: out of the part's regime row
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
