@@ -55,6 +55,7 @@ MUON_GRID=train.muon_lr=0.01,0.02,0.04,0.08  # 0.08 added when hb, nesterov and 
 # comparisons keep every other architecture's runs (cemtool sweep --tuned re-plans, docs/sweep.md)
 ANALYSIS_ARGS=()  # options of the comparisons' analyses (the forgetting target of text runs)
 COLLAPSE_ARGS=()  # options of the collapse report, where a group runs it (the stdlib part: a harder probe)
+EDGE_RULE=  # set by a part: a tuning choice at its grid's edge gets one more value (research/scripts/grid_edge.py)
 SATURATION=()  # a part's own saturation sweep at the end of lane 2: SEEDS [DATA OPTIONS...] (the pydoc part)
 LANE1_ANALYSIS_ARGS=()  # more options for lane 1's analyses (the pydoc part: its sharpness measures what claims
 # 6 and 8 use, see there)
@@ -102,7 +103,16 @@ six() {  # six ARGS...: a group (below) at 6 layers: the part's SIX in place of 
 # a group: tune its architectures, then compare them on the comparison seeds
 group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   local out=$1 name=$2 archs=$3 analyses=$4 seeds=$5 grid=$6; shift 6
-  sweep "$out/tune/$name" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
+  local tune=$out/tune/$name stated=$grid more=
+  if [ -n "$EDGE_RULE" ]; then grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated"); fi
+  sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
+  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ]; then  # a choice at the grid's edge: one more value, once
+    more=$(python3 research/scripts/grid_edge.py edge "$tune" "$stated")
+    if [ -n "$more" ]; then
+      echo "$(date -u +%FT%TZ) edge  $tune: a choice at the grid's edge, extended to $more" >> "$OUT/study.log"
+      sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$more" "${COMMON[@]}" "$@"
+    fi
+  fi
   local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses")
   [[ ",$analyses," == *,forgetting,* ]] && an+=("${ANALYSIS_ARGS[@]}")  # --to is forgetting's (refused without it)
   [[ ",$analyses," == *,collapse,* ]] && an+=("${COLLAPSE_ARGS[@]}")
@@ -253,7 +263,11 @@ stdlib() {
   # 0.012; every other group 0.0061 or less), and one more value where the choice was at the grid's edge
   # (nesterov-zero: 1.6e-2). Both are extensions of the tuning study: its finished runs are kept, and the
   # comparison is re-planned only if the choice moves (docs/sweep.md)
-  local fine=$grid,5.66e-3,1.13e-2 edge=$grid,3.2e-2 grid6=train.lr=2e-3,4e-3,8e-3
+  local fine=$grid,5.66e-3,1.13e-2 grid6=train.lr=2e-3,4e-3,8e-3
+  # from stop 52 the edge rule is the script's, not a grid written by hand (nesterov-zero's 3.2e-2 was the first):
+  # where a group's tuning chose its grid's smallest or largest value, the same tuning study is extended once by
+  # one value at the grid's spacing there (research/scripts/grid_edge.py), and the comparison follows the choice
+  EDGE_RULE=1
   local l1= l2=
   lane 1 && (
     for a in tmm hb nesterov adam adamw rmsprop muon ortho; do
@@ -286,9 +300,8 @@ stdlib() {
     group "$o" baseline baseline sharpness,forgetting,collapse $S "$grid"
     saturation_controls "$o"
     TUNE_SEEDS=$TUNE_SEEDS,102 group "$o" baseline-wide baseline sharpness,forgetting $S "$fine" "${WIDE[@]}"
-    for a in tmm hb nesterov; do
-      g=$grid; [ $a = nesterov ] && g=$edge
-      group "$o" "$a-zero" "$a" sharpness,forgetting $S "$g" "${ZERO[@]}"
+    for a in tmm hb nesterov; do  # (nesterov-zero chose 1.6e-2, the edge: the rule adds 3.2e-2)
+      group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" "${ZERO[@]}"
     done
     for s in early-heavy late-lowrank; do
       group "$o" "$s" baseline "" $S "$grid" --set model.alloc_strategy=$s

@@ -114,18 +114,20 @@ def test_stdlib_part_is_the_20_tokens_per_parameter_regime():
     assert low["attn_budget"] == pytest.approx(0.75 * size("baseline", common, vocab)["attn_budget"])
 
 
-def test_stdlib_refined_grid_values_are_the_sqrt2_steps_and_the_next_doubling():
+def test_stdlib_refined_grid_values_are_the_sqrt2_steps_and_the_edge_rule_is_on():
     """The stdlib part's refinement (stop 51): the x sqrt(2) values on either side of the refined choices (both
     chose 8e-3: 4e-3 -> 5.66e-3 below it, 8e-3 -> 1.13e-2 above it, to three figures), absent from the factor-2
-    grid, and, past the edge, the next doubling; a third tuning seed for both refined groups."""
+    grid; a third tuning seed for both refined groups; and (stop 52) the edge rule of grid_edge.py, which gives
+    nesterov-zero the next doubling its hand-written grid had (test_grid_edge.py)."""
     body = re.search(r"^stdlib\(\) \{\n(.*?)^\}", SCRIPT, re.S | re.M).group(1)
     grid = re.search(r"local grid=train\.lr=(\S+) ", body).group(1).split(",")
-    fine, edge = re.search(r"local fine=\$grid,(\S+) edge=\$grid,(\S+)", body).groups()
+    fine = re.search(r"local fine=\$grid,(\S+) ", body).group(1)
     lrs = [float(x) for x in grid]
     assert all(b == pytest.approx(2 * a) for a, b in zip(lrs, lrs[1:]))  # the factor-2 grid
     assert [float(x) for x in fine.split(",")] == [float(f"{lr * 2 ** 0.5:.3g}") for lr in (4e-3, 8e-3)]
     assert all(float(x) not in lrs for x in fine.split(","))
-    assert float(edge) == pytest.approx(2 * max(lrs))
+    assert re.search(r"^\s*EDGE_RULE=1$", body, re.M)
+    assert 'group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid"' in body  # the rule, not a second grid
     for g in ("baseline-wide", "lime-router-abs"):  # a third tuning seed where refined, on the fine grid
         assert re.search(rf'TUNE_SEEDS=\$TUNE_SEEDS,102 group "\$o" {g} \S+ \S+ \$S "\$fine"', body), g
 

@@ -1,0 +1,143 @@
+"""research/scripts/grid_edge.py, the stdlib part's edge rule (a tuning choice at its grid's edge gets one more value
+beyond it, once), on hand-made study folders, and its wiring in study.sh's group() end to end with a stand-in
+cemtool that records each call and refuses a grid that drops stored values, as `cemtool sweep` does."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "research" / "scripts"))
+import grid_edge  # noqa: E402
+
+GRID = "train.lr=1e-3,2e-3,4e-3,8e-3,1.6e-2"
+
+
+def study(tmp_path: Path, stored: str | None, chosen: str | None = None, selected: str | None = None) -> Path:
+    """A tuning folder whose study.json holds ``stored`` and whose selection.json (of grid ``selected``, default
+    ``stored``) chose ``chosen``."""
+    d = tmp_path / "tune"
+    d.mkdir(exist_ok=True)
+    if stored is not None:
+        (d / "study.json").write_text(json.dumps({"plan": {"grid": [stored]}}))
+    if chosen is not None:
+        grid = selected or stored
+        values = [float(v) for v in grid.split("=", 1)[1].split(",")]
+        edge = ["train.lr"] if float(chosen) in (min(values), max(values)) else []
+        (d / "selection.json").write_text(json.dumps(
+            {"grid": [grid], "archs": {"nesterov": {"chosen": {"train.lr": chosen}, "at_edge": edge}}}))
+    return d
+
+
+def test_ask_is_the_stated_grid_unless_the_study_holds_an_extension_of_it(tmp_path):
+    assert grid_edge.ask(tmp_path / "none", GRID) == GRID
+    assert grid_edge.ask(study(tmp_path, GRID), GRID) == GRID
+    assert grid_edge.ask(study(tmp_path, GRID + ",3.2e-2"), GRID) == GRID + ",3.2e-2"
+    assert grid_edge.ask(study(tmp_path, "train.lr=0.001,0.002,0.004,0.008,0.016,0.032"), GRID) \
+        == "train.lr=0.001,0.002,0.004,0.008,0.016,0.032"  # the same values spelt otherwise
+    assert grid_edge.ask(study(tmp_path, "train.lr=1e-3,2e-3"), GRID) == GRID  # fewer values: the sweep says no
+    assert grid_edge.ask(study(tmp_path, "train.wd=1e-3,2e-3,4e-3,8e-3,1.6e-2,3.2e-2"), GRID) == GRID
+
+
+@pytest.mark.parametrize("chosen, want", [
+    ("1.6e-2", GRID + ",3.2e-2"),  # the top edge, at the factor-2 spacing
+    ("1e-3", GRID + ",5e-4"),      # the bottom edge
+    ("4e-3", ""),                  # inside: nothing
+])
+def test_edge_adds_one_value_at_the_grids_spacing(tmp_path, chosen, want):
+    assert grid_edge.edge(study(tmp_path, GRID, chosen), GRID) == want
+
+
+def test_edge_follows_an_uneven_grids_own_spacing_at_its_edge(tmp_path):
+    fine = GRID + ",5.66e-3,1.13e-2"  # listed out of order; the top step is 1.13e-2 -> 1.6e-2 (x sqrt 2)
+    assert grid_edge.edge(study(tmp_path, fine, "1.6e-2"), fine) == fine + ",2.27e-2"
+    six = "train.lr=2e-3,4e-3,8e-3"
+    assert grid_edge.edge(study(tmp_path, six, "8e-3"), six) == six + ",1.6e-2"
+
+
+def test_edge_fires_once_and_never_on_a_stale_or_missing_selection(tmp_path):
+    assert grid_edge.edge(study(tmp_path, GRID + ",3.2e-2", "3.2e-2"), GRID) == ""  # extended already
+    assert grid_edge.edge(study(tmp_path, GRID, "1.6e-2", selected="train.lr=1e-3,2e-3,4e-3"), GRID) == ""
+    (tmp_path / "tune" / "selection.json").unlink()
+    assert grid_edge.edge(study(tmp_path, GRID), GRID) == ""
+    assert grid_edge.edge(tmp_path / "none", GRID) == ""
+    two = "train.lr=1e-3,2e-3"  # two values: no edge (the selection's own rule wants 3)
+    assert grid_edge.edge(study(tmp_path, two, "2e-3"), two) == ""
+
+
+def test_fmt_spells_values_as_the_grids_do():
+    assert [grid_edge._fmt(x) for x in (0.032, 5e-4, 0.0226, 0.99999)] == ["3.2e-2", "5e-4", "2.26e-2", "1e0"]
+
+
+FAKE = textwrap.dedent('''\
+    #!/usr/bin/env python3
+    """A stand-in for cemtool: records each call; a grid sweep stores its grid (refusing one that drops a stored
+    value) and writes a selection choosing the largest lr in the groups named by $EDGE_AT, the middle one elsewhere."""
+    import json, os, sys
+    from pathlib import Path
+    args = sys.argv[1:]
+    with open(os.environ["FAKE_LOG"], "a") as f:
+        f.write(json.dumps(args) + "\\n")
+    if args[:1] != ["sweep"] or "--grid" not in args:
+        sys.exit(0)
+    out, grid = Path(args[args.index("--out") + 1]), args[args.index("--grid") + 1]
+    values = [float(v) for v in grid.split("=", 1)[1].split(",")]
+    if (out / "study.json").exists():
+        stored = json.loads((out / "study.json").read_text())["plan"]["grid"][0]
+        if not {float(v) for v in stored.split("=", 1)[1].split(",")} <= set(values):
+            print("Error: the grid drops stored values", file=sys.stderr)
+            sys.exit(1)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "study.json").write_text(json.dumps({"plan": {"grid": [grid]}}))
+    edge = out.name in os.environ.get("EDGE_AT", "").split(",")
+    chosen = max(values) if edge else sorted(values)[len(values) // 2]
+    arch = args[args.index("--archs") + 1]
+    (out / "selection.json").write_text(json.dumps({"grid": [grid], "archs": {arch: {
+        "chosen": {"train.lr": repr(chosen)}, "at_edge": ["train.lr"] if edge else []}}}))
+''')
+
+
+def test_study_sh_extends_an_edge_choice_once_and_a_rerun_asks_for_the_stored_grid(tmp_path):
+    """Lane 2 of the stdlib part twice with the stand-in: nesterov-zero and late-lowrank-75-6 choose their edge;
+    each is extended once (logged in study.log), the rerun asks for the stored grids and extends nothing more, and no
+    other group's grid changes. The wiring fails if the edge call is dropped, or if a rerun asks for the stated grid
+    (the stand-in then refuses, as the sweep does)."""
+    fake = tmp_path / "cemtool"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    log, out = tmp_path / "calls.jsonl", tmp_path / "out"
+    env = {**os.environ, "CEMTOOL": str(fake), "FAKE_LOG": str(log), "STUDY_LANE": "2",
+           "EDGE_AT": "nesterov-zero,late-lowrank-75-6"}
+
+    def lane2() -> list[list[str]]:
+        log.write_text("")
+        res = subprocess.run(["bash", "research/scripts/study.sh", "stdlib", str(out)], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    def tunings(calls):
+        return [(Path(c[c.index("--out") + 1]).name, c[c.index("--grid") + 1]) for c in calls
+                if c[0] == "sweep" and "--grid" in c]
+
+    first = tunings(lane2())
+    assert ("nesterov-zero", GRID) in first and ("nesterov-zero", GRID + ",3.2e-2") in first
+    six = "train.lr=2e-3,4e-3,8e-3"
+    assert first.count(("late-lowrank-75-6", six)) == 1 and ("late-lowrank-75-6", six + ",1.6e-2") in first
+    calls = Counter(name for name, _ in first)  # every other group: one tuning call, its stated grid
+    assert {name for name, k in calls.items() if k > 1} == {"nesterov-zero", "late-lowrank-75-6"}
+    assert max(calls.values()) == 2 and len(calls) > 10  # (17 groups in lane 2 at stop 52)
+    study_log = (out / "study.log").read_text()
+    assert study_log.count(" edge  ") == 2 and "extended to " + GRID + ",3.2e-2" in study_log
+
+    again = tunings(lane2())
+    assert ("nesterov-zero", GRID + ",3.2e-2") in again and ("nesterov-zero", GRID) not in again
+    assert ("late-lowrank-75-6", six + ",1.6e-2") in again
+    assert len(again) == len(set(again)) == len(set(n for n, _ in again))  # one call per group: nothing extended
+    assert (out / "study.log").read_text().count(" edge  ") == 2
