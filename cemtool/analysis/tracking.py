@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from cemtool.analysis.curvature.operators import Hessian
-from cemtool.analysis.curvature.preconditioned import Preconditioned, adam_preconditioner
+from cemtool.analysis.curvature.preconditioned import Preconditioned, adam_preconditioner, lr_multipliers
 from cemtool.analysis.curvature.risk import select_parameters
 from cemtool.analysis.lanczos import lanczos
 from cemtool.analysis.trace import xtrace
@@ -129,8 +129,9 @@ class CurvatureTracker:
         """One metrics row: λ_max (+ convergence, steps), tr(H) ± SE, λ_max(P^{-1}H), the learning rate η of
         the next update and the thresholds 2/η and (2 + 2 β1)/((1 - β1) η), and the seconds it took. Non-finite
         values are null. ``optimizer_name`` (train.optimizer): under muon 2/η is null, with a ``threshold_note``,
-        since η (AdamW's base rate) does not set Muon's stability threshold. The model is left exactly as it was
-        (weights, mode, requires_grad)."""
+        since η (AdamW's base rate) does not set Muon's stability threshold. Where the measured parameters' groups
+        take other multiples of η (``lr_mult``), also λ_max(M^{1/2} H M^{1/2}), the sharpness 2/η bounds for them
+        (:meth:`_lr_scaled`). The model is left exactly as it was (weights, mode, requires_grad)."""
         t0 = time.perf_counter()
         seed = (int(self.seed) << 32) + int(step)  # < 2^64: seed < 2^32, step < 2^32
         row: dict = {"kind": "curvature", "step": step, "lr": lr, "threshold_2_over_lr": threshold_gd(lr),
@@ -169,8 +170,21 @@ class CurvatureTracker:
                     row.update(lambda_max_precond=_finite(pe.lambda_max),
                                lambda_max_precond_converged=bool(pe.top_converged[0]),
                                lanczos_steps_precond=pe.steps)
+            if optimizer is not None and optimizer_name != "muon":
+                self._lr_scaled(obj, optimizer, named, seed, row)
         row["curvature_seconds"] = time.perf_counter() - t0
         return row
+
+    def _lr_scaled(self, obj, optimizer, named, seed: int, row: dict) -> None:
+        """Where the measured parameters do not all take the schedule's rate (a group's lr_mult, e.g. LIMe's routers
+        at 10x), the sharpness 2/η bounds: λ_max(M^{1/2} H M^{1/2}) with M the multipliers (cold-started from
+        ``seed`` alone, so a resumed run measures it alike without a stored vector), and the distinct multipliers."""
+        M, mults = lr_multipliers(optimizer, named)
+        if M is None:
+            return
+        e = lanczos(Preconditioned(obj, M), k_top=1, k_bottom=0, max_steps=self.max_steps, tol=self.tol, seed=seed)
+        row.update(lr_mults=mults, lambda_max_lr_scaled=_finite(e.lambda_max),
+                   lambda_max_lr_scaled_converged=bool(e.top_converged[0]), lanczos_steps_lr_scaled=e.steps)
 
 
 def tracker_for(cfg, corpus, model: nn.Module) -> CurvatureTracker:

@@ -81,6 +81,8 @@ def curvature_line(ev: dict) -> str:
     line = f"step {ev['step']:>6}  λ_max {num('lambda_max')} (2/η {num('threshold_2_over_lr')})"
     if not ev.get("lambda_max_converged", True):
         line += f" not converged in {ev.get('lanczos_steps')} steps"
+    if "lambda_max_lr_scaled" in ev:  # per-group rates: the sharpness 2/η bounds
+        line += f"  λ_max(M½HM½) {num('lambda_max_lr_scaled')} (rates ×{'/'.join(f'{m:g}' for m in ev['lr_mults'])})"
     if "lambda_max_precond" in ev:
         line += f"  λ_max(P⁻¹H) {num('lambda_max_precond')} (Adam's threshold {num('threshold_adaptive')})"
     if "trace" in ev:

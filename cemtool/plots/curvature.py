@@ -1,5 +1,6 @@
 """Curvature during training (``train.curvature_every``): λ_max of the loss Hessian over the optimizer steps against
-the stability threshold 2/η of gradient descent at the scheduled rate η, and, when the run measured it, the
+the stability threshold 2/η of gradient descent at the scheduled rate η (beside λ_max(M^½ H M^½) where the measured
+parameters' groups take other multiples M of η, the sharpness 2/η bounds then), and, when the run measured it, the
 preconditioned λ_max of Adam's update against its threshold (2 + 2 β1)/((1 - β1) η) (Cohen et al. 2022); the trace
 estimate (± 1 SE) when recorded. Reads the ``"kind": "curvature"`` rows of metrics.jsonl only; never recomputes.
 
@@ -70,6 +71,10 @@ def curvature_figure(run: str | Path, rows: list[dict]):
     ax = axes[0, 0]
     _panel(ax, rows, "lambda_max", "lambda_max_converged", "threshold_2_over_lr", color, "λ_max of the Hessian",
            "2/η (gradient descent)")
+    sx, sy = _series(rows, "lambda_max_lr_scaled")
+    if len(sx):  # per-group rates (e.g. LIMe's routers): the sharpness 2/η bounds is this one
+        ax.plot(sx, sy, ":", marker="^", color=color, ms=4, lw=1.2,
+                label="λ_max of $M^{1/2}HM^{1/2}$ (M: the groups' rates)")
     ax.set_title("sharpness", fontsize=9)
     col = 1
     if precond:

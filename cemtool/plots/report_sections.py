@@ -40,7 +40,8 @@ def _rel(path: Path, base: Path) -> str:
 CAPTIONS = {
     "training": "training loss (thin: moving average over 5% of the run's batches) and validation loss (markers) "
                 "against tokens seen (colour: architecture; line style: seed)",
-    "curvature": "λ_max of the Hessian on a fixed validation batch during training against 2/η (dashed), and when "
+    "curvature": "λ_max of the Hessian on a fixed validation batch during training against 2/η (dashed; dotted: "
+                 "λ_max of M^½HM^½ where the parameters' groups take other multiples M of η), and when "
                  "recorded the preconditioned λ_max of Adam against (2+2β1)/((1−β1)η) and tr(H) ± 1 SE (open markers: "
                  "Lanczos not converged)",
     "collapse_layers": "per layer: matrix entropy of values and hidden states, linear-probe accuracy, effective rank, "

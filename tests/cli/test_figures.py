@@ -44,7 +44,9 @@ def curvature_run(path: Path) -> Path:
     rows = [{"kind": "curvature", "step": step, "lr": logged[step]["lr"],
              "threshold_2_over_lr": 2 / logged[step]["lr"], "curvature_tokens": 512, "lambda_max": lam,
              "lambda_max_converged": False, "lambda_max_error": err, "lanczos_steps": 3, "params_n": 39168,
-             "curvature_seconds": 0.2, "tokens": logged[step]["tokens"]} for step, lam, err in CURVATURE]
+             "curvature_seconds": 0.2, "tokens": logged[step]["tokens"],
+             "lr_mults": [1.0, 10.0], "lambda_max_lr_scaled": 1.5 * lam,  # per-group rates (as LIMe's routers)
+             "lambda_max_lr_scaled_converged": True, "lanczos_steps_lr_scaled": 3} for step, lam, err in CURVATURE]
     with open(path / "metrics.jsonl", "a", encoding="utf-8") as f:
         f.writelines(json.dumps(row) + "\n" for row in rows)
     return path

@@ -228,3 +228,67 @@ def test_plot_draws_the_curvature_figure(tracked, tmp_path, monkeypatch):
     (run / "plots" / "curvature.png").unlink()
     render.render_run(run)
     assert not (run / "plots" / "curvature.png").exists()
+
+
+def _lime_tracker_setup(extra=()):
+    """A small LIMe model (its routers in their own group at lr_mult 10), the study's AdamW groups, and a batch."""
+    from cemtool.models.registry import build_model
+    from cemtool.optim import make_optimizer
+
+    torch.manual_seed(0)
+    cfg = resolve(arch="lime", overrides=["model.n_layer=2", "model.d_model=8", "model.n_head=2", "model.vocab_size=11",
+                                          "model.max_seq_len=8", "data.seq_len=8", *extra])
+    model = build_model(cfg.model)
+    opt = make_optimizer(model, cfg.train, torch.device("cpu"))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 11, (2, 8), generator=g), torch.randint(0, 11, (2, 8), generator=g)
+    return model, opt, x, y
+
+
+def _dense_hessian(model, x, y, params: str) -> tuple[torch.Tensor, list[str]]:
+    from cemtool.analysis.curvature.operators import Hessian
+
+    with Hessian(model, x, y, params=params, dtype="fp64") as op:
+        eye = torch.eye(op.n, dtype=torch.float64)
+        H = torch.stack([op.matvec(eye[i]) for i in range(op.n)])  # (n, n), row i = H e_i
+        names = op.names
+    return (H + H.T) / 2, names
+
+
+ROUTER = "blocks.1.lime.weight,ln_f.weight"  # the router beside a parameter of the schedule's rate (16 in all)
+
+
+@pytest.mark.parametrize("extra, mults", [((), [1.0, 10.0]), (("model.lime.freeze_router=true",), [0.0, 1.0])])
+def test_per_group_rates_give_the_sharpness_2_over_lr_bounds(extra, mults):
+    """LIMe's routers take 10x the schedule's rate (their own AdamW group), so gradient descent's threshold 2/η
+    bounds λ_max(M^½ H M^½), M the rates' multipliers, not λ_max(H): the tracked value against a dense fp64
+    Hessian of the same batch and parameters, scaled by the multipliers of the real optimizer groups (a frozen
+    router is in no group and takes no step: 0). The unscaled λ_max differs from it (the check could fail)."""
+    model, opt, x, y = _lime_tracker_setup(extra)
+    H, names = _dense_hessian(model, x, y, ROUTER)
+    groups, params = {id(p): g for g in opt.param_groups for p in g["params"]}, dict(model.named_parameters())
+    m = torch.cat([torch.full((params[n].numel(),), float(groups[id(params[n])]["lr_mult"])
+                              if id(params[n]) in groups else 0.0, dtype=torch.float64) for n in names])  # (n,)
+    assert sorted(set(m.tolist())) == mults and names == ROUTER.split(",")
+    want = torch.linalg.eigvalsh(m.sqrt()[:, None] * H * m.sqrt()[None, :]).max().item()
+    plain = torch.linalg.eigvalsh(H).max().item()
+    row = CurvatureTracker(x, y, params=ROUTER, max_steps=16, tol=1e-10).measure(model, opt, step=1, lr=1e-3)
+    assert row["lr_mults"] == mults and row["lambda_max_lr_scaled_converged"]
+    assert row["lambda_max_lr_scaled"] == pytest.approx(want, rel=1e-4)  # fp32 HVPs against the fp64 matrix
+    assert row["lambda_max"] == pytest.approx(plain, rel=1e-4)
+    assert abs(want / plain - 1) > 0.03  # (+56% and -4.4% here) far beyond the 1e-4: the scaling is what is checked
+    assert row["threshold_2_over_lr"] == pytest.approx(2 / 1e-3)
+    from cemtool.cli.train_cmd import curvature_line
+
+    assert f"λ_max(M½HM½) {row['lambda_max_lr_scaled']:.4g} (rates ×{'/'.join(f'{x:g}' for x in mults)})" \
+        in curvature_line(row)
+
+
+def test_one_rate_for_every_measured_parameter_records_no_scaled_sharpness():
+    """A subset without the routers (layer 0's attention) takes the schedule's rate alone: no extra measurement, no
+    extra fields; under muon (whose 2/η is null) none either."""
+    model, opt, x, y = _lime_tracker_setup()
+    row = CurvatureTracker(x, y, params="blocks.0.attn.*", max_steps=8).measure(model, opt, step=1, lr=1e-3)
+    assert "lambda_max_lr_scaled" not in row and "lr_mults" not in row
+    row = CurvatureTracker(x, y, max_steps=8).measure(model, opt, step=1, lr=1e-3, optimizer_name="muon")
+    assert "lambda_max_lr_scaled" not in row

@@ -27,6 +27,21 @@ def adam_preconditioner(optimizer, named: list[tuple[str, nn.Parameter]]) -> tup
     return torch.cat(parts), None  # (n,)
 
 
+def lr_multipliers(optimizer, named: list[tuple[str, nn.Parameter]]) -> tuple[torch.Tensor | None, list[float]]:
+    """M flat (n,) float64 over the parameters ``named`` (in order): each one's group ``lr_mult``, the rate of its
+    update over the schedule's η (0 for a parameter no group holds: it takes no step), and the distinct multipliers
+    in increasing order. (None, [1.0]) when every multiplier is 1: then gradient descent's stability threshold for
+    λ_max of the Hessian itself is 2/η. Otherwise gradient descent with per-group rates η M is stable along every
+    direction iff λ_max(M^{1/2} H M^{1/2}) < 2/η (the same algebra as Adam's preconditioner, with M for P^{-1})."""
+    groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    mults = [float(groups[id(p)].get("lr_mult", 1.0)) if id(p) in groups else 0.0 for _, p in named]
+    distinct = sorted(set(mults))
+    if distinct == [1.0]:
+        return None, distinct
+    return torch.cat([torch.full((p.numel(),), m, dtype=torch.float64) for m, (_, p) in zip(mults, named,
+                                                                                          strict=True)]), distinct
+
+
 class Preconditioned:
     """The operator D^{1/2} H D^{1/2} (symmetric, same eigenvalues as D H) for a positive diagonal D, flat (n,)."""
 
@@ -38,4 +53,4 @@ class Preconditioned:
         return self.half * self.op.matvec(self.half * v.to(torch.float64))  # (n,)
 
 
-__all__ = ["Preconditioned", "adam_preconditioner"]
+__all__ = ["Preconditioned", "adam_preconditioner", "lr_multipliers"]
