@@ -555,6 +555,23 @@ def test_hub_cache_links_into_its_blobs_load_and_a_link_out_of_the_cache_is_refu
     one_line_error(invoke("sharpness", "hf:acme/tiny", "--quick", "--no-plots"), "symbolic link", "elsewhere.json")
 
 
+def test_a_cache_snapshot_given_as_a_directory_gets_no_reports_written_into_it(hf_models, tmp_path, monkeypatch):
+    """The hub's cache is not the user's folder: a snapshot passed by path reports where hf:ORG/NAME@COMMIT does
+    (runs/hf/ORG--NAME@COMMIT under the current folder), and the snapshot's files stay exactly as they were."""
+    cache, snap = hub_cache(tmp_path, hf_models["gpt2"])
+    offline_cache(monkeypatch, cache, tmp_path)
+    before = sorted(p.name for p in snap.iterdir())
+    res = invoke("sharpness", snap, "--tokens", 64, "--top-k", 1, "--bottom-k", 0, "--lanczos-steps", 3,
+                 "--trace-hvps", 0, "--density-runs", 0, "--sam-rho", 0, "--asam-rho", 0, "--avg-rho", 0,
+                 "--landscape", "none", "--no-plots", "--quiet")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in snap.iterdir()) == before  # no reports/, no model_source.json
+    home = tmp_path / "runs" / "hf" / f"acme--tiny@{'b' * 40}"
+    rep = json.loads((home / "reports" / "sharpness.json").read_text())
+    assert (home / "model_source.json").is_file() and rep["eigen"]["top"]
+    assert open_subject(snap).run.path.resolve() == home.resolve()
+
+
 def edited_weights(src: str, dst: Path, edit) -> Path:
     from safetensors.torch import load_file, save_file
 

@@ -480,7 +480,8 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
     """A :class:`~cemtool.subject.base.Subject` for a local HF directory or an hf: id: the wrapped model (eval mode), a
     RunConfig whose data section is ``data`` (default ``pydoc``, or the run's own for a ``cemtool export``
     directory: :func:`eval_data`) read with the model's tokenizer, the tokenizer,
-    and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id)."""
+    and a Run where reports go (the directory itself; ``runs/hf/ORG--NAME[@REV]`` for an hf: id, and
+    ``runs/hf/ORG--NAME@COMMIT`` for a snapshot folder of the hub's cache given as a directory)."""
 
     spec = str(source)
     if checkpoint not in ("final", "latest"):
@@ -497,7 +498,9 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
         in_cache = path.parent.name == "snapshots" and path.parents[1].name.startswith("models--")
         check_links(path, cache_repo=path.parents[1] if in_cache else None)  # a snapshot passed as a directory
-        home = path
+        # a snapshot of the hub's cache is the hub's, not the user's: its reports go where hf:ORG/NAME@COMMIT's go
+        home = Path("runs") / "hf" / f"{path.parents[1].name[len('models--'):]}@{path.name}" if in_cache \
+            else path
     refuse_remote_code(path)
     weights = check_files(path)
     config = read_config(path)
