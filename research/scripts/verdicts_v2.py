@@ -23,6 +23,13 @@ What changed against the first rules (research/scripts/findings.py):
   saturation).
 - **Claim 8 over architecture means**, with the two-level bootstrap (architectures, then seeds) and the partial
   correlation given the learning rate.
+- **No test where the arms are identical in every run** (stop 52): a difference whose runs are all equal on both
+  sides (a measure at its ceiling: the input-token probe of claim 12 reads 1.000 in every run) has no spread to test
+  against; it is shown as "no test (identical in every run)", leaves the Holm family, and has no MDE (the MDE 0
+  that a zero standard error gives says nothing about a measure that cannot go higher). Where the part has a second
+  reading of the same quantity that is not degenerate (claim 12's lag-1 probe), that reading takes its place in the
+  family. Fixed after the lag-1 reading was known (stdlib +0.0003 [-0.019, +0.020], not resolved); it changes no
+  verdict's outcome.
 """
 
 from __future__ import annotations
@@ -87,6 +94,10 @@ class Test:
     p_holm: float | None = None
     extra: dict = field(default_factory=dict)
 
+    def identical(self) -> bool:
+        """Every run of both arms is equal: nothing to test (:func:`difference`)."""
+        return bool(self.extra.get("identical"))
+
     def family_p(self) -> float | None:
         return self.p_tost if self.kind == "equivalence" else self.p
 
@@ -98,6 +109,8 @@ class Test:
         unresolved for equivalence tests (after Holm)."""
         if self.est is None:
             return "not run yet"
+        if self.identical():
+            return "no test"
         if self.kind == "equivalence":
             if self.resolved():
                 return "equivalent"
@@ -109,10 +122,24 @@ class Test:
             return "unresolved"
         return "reproduced" if np.sign(self.est) == self.sign else "opposite"
 
+    def number_format(self, digits: int = 3) -> str:
+        """``digits`` decimals, more where the 95% interval is narrower than 10^-digits (two significant digits of
+        its width, so that its ends differ in print); scientific notation, as many significant digits, below
+        10^-digits or beyond 5 decimals."""
+        width = (self.hi - self.lo) if self.lo is not None and self.hi is not None else 0.0
+        d = max(digits, math.ceil(-math.log10(width)) + 1) if width > 0 else digits
+        if self.est == 0 or (abs(self.est) >= 10 ** -d and d <= 5):
+            return f"{{:+.{d}f}}"
+        sig = max(3, math.ceil(math.log10(abs(self.est) / width)) + 2) if width > 0 and self.est else 3
+        return f"{{:+.{sig - 1}e}}"
+
     def text(self, digits: int = 3) -> str:
         if self.est is None:
             return f"{self.name}: not run yet"
-        f = f"{{:+.{digits}f}}" if abs(self.est) >= 10 ** -digits or self.est == 0 else "{:+.2e}"
+        f = self.number_format(digits)
+        if self.identical():
+            return f"{self.name} {f.format(self.est)} (identical in every run: no test" + \
+                (f", {self.unit})" if self.unit else ")")
         iv = "" if self.lo is None else f" [{f.format(self.lo)}, {f.format(self.hi)}]"
         bits = [f"{self.name} {f.format(self.est)}{iv}"]
         if self.p_holm is not None:
@@ -163,6 +190,10 @@ def difference(name: str, a, b, sign: int = -1, unit: str | None = None, margin:
         se, df = _se_df([ga, gb], [1, -1])
         unit = unit or f"Welch, {len(ga)} vs {len(gb)}"
     t = Test(name, est, **_t_parts(est, se, df), unit=unit, sign=sign, primary=primary)
+    if se == 0 and est == 0:  # every run equal on both sides: no spread to test against (module docstring)
+        t.p, t.mde, t.extra["identical"] = None, None, True
+        t.kind, t.margin = ("equivalence", margin) if margin else (t.kind, None)
+        return t
     if margin:
         t.kind, t.margin = "equivalence", margin
         if se == 0:
@@ -397,9 +428,9 @@ def reissue(p, F, root, part: str) -> list[dict]:
         # the probe the baseline does not saturate (where the part ran it): which of k words was one position back,
         # from the values at t (collapse-report --lag 1), layers >= 1
         lag = per_run("lime", "separability", lag1=True), per_run(van, "separability", lag1=True)
-        if min(map(len, lag)) >= 2:
+        if min(map(len, lag)) >= 2:  # primary in the separability test's place where that one is degenerate
             t12.append(difference("lime − baseline, separability of the token one back (lag-1 probe)", *lag, sign=1,
-                                  primary=False))
+                                  primary=t12[1].identical()))
         rows.append(("12", t12))
     if want("claim13"):
         b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")
@@ -487,7 +518,8 @@ def saturation_tests(F, root, part: str) -> list[Test]:
 
 WORDS = {"reproduced": "reproduced", "opposite": "the opposite is resolved", "unresolved": "not resolved",
          "equivalent": "equivalent within the margin", "better": "better, resolved",
-         "worse": "worse by more than the margin", "not run yet": "not run yet"}
+         "worse": "worse by more than the margin", "not run yet": "not run yet",
+         "no test": "no test (identical in every run)"}
 
 
 def verdict(claim: str, tests: list[Test]) -> str:

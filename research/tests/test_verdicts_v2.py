@@ -241,7 +241,9 @@ def test_the_regime_reads_a_run_on_another_corpus_apart(tmp_path):
 
 def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tmp_path, monkeypatch):
     """Claim 12's separability from the lag-1 context probe (the runs' collapse-lag1 reports, layers >= 1): a paired
-    difference lime − baseline shown where both groups have the report, not deciding the verdict."""
+    difference lime − baseline shown where both groups have the report, not deciding the verdict while the
+    input-token probe is a test; where that probe reads the same in every run of both (at its ceiling), it is no
+    test and the lag-1 reading takes its place in the family."""
     F = _findings(monkeypatch, ["claim12"])
     rng = np.random.default_rng(11)
 
@@ -251,16 +253,51 @@ def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tm
                                                          {"layer": 2, "value_entropy": 1.0, "separability": float(v)}]}
                 for s, v in enumerate(sep)]
 
-    p = F.Part(tmp_path, "toy")
-    p.groups = {("core", "baseline"): runs([1.0] * 5), ("core", "lime"): runs([1.0] * 5)}
-    before = V.reissue(p, F, tmp_path, "toy")[0]
     base, lime = rng.normal(0.84, 0.01, 5), rng.normal(0.86, 0.01, 5)
-    p.lag1 = {("core", "baseline"): runs(base, lag0=0.0), ("core", "lime"): runs(lime, lag0=0.0)}
-    after = V.reissue(p, F, tmp_path, "toy")[0]
-    t = {t.name: t for t in after["tests"]}["lime − baseline, separability of the token one back (lag-1 probe)"]
     ref = stats.ttest_rel(lime, base)
-    assert not t.primary and (t.est, t.p) == pytest.approx((np.mean(lime - base), ref.pvalue), rel=1e-9)
-    assert after["verdict"] == before["verdict"] and len(after["tests"]) == len(before["tests"]) + 1
+    name = "lime − baseline, separability of the token one back (lag-1 probe)"
+    for first, primary in ((rng.normal(0.97, 0.01, 5), False), ([1.0] * 5, True)):
+        p = F.Part(tmp_path, "toy")
+        p.groups = {("core", "baseline"): runs(first), ("core", "lime"): runs([1.0] * 5)}
+        before = V.reissue(p, F, tmp_path, "toy")[0]
+        p.lag1 = {("core", "baseline"): runs(base, lag0=0.0), ("core", "lime"): runs(lime, lag0=0.0)}
+        after = V.reissue(p, F, tmp_path, "toy")[0]
+        t = {t.name: t for t in after["tests"]}[name]
+        assert t.primary is primary and (t.est, t.p) == pytest.approx((np.mean(lime - base), ref.pvalue), rel=1e-9)
+        assert len(after["tests"]) == len(before["tests"]) + 1
+        sep = {t.name: t for t in after["tests"]}["lime − baseline, separability"]
+        assert sep.identical() is primary and (sep.outcome() == "no test") is primary
+        if not primary:
+            assert after["verdict"] == before["verdict"]
+        else:
+            assert "separability: no test (identical in every run)" in after["verdict"] and name in after["verdict"]
+
+
+def test_identical_arms_are_no_test_and_leave_the_family():
+    """Every run equal on both sides (a measure at its ceiling): no p, no MDE, outcome 'no test', not in Holm's
+    family; a difference of equal constants that are not zero apart (every pair +0.1) stays a test (p 0)."""
+    same = V.difference("ceiling", V.Values([1.0] * 5, range(5)), V.Values([1.0] * 5, range(5)), sign=1)
+    assert same.identical() and same.p is None and same.mde is None and same.outcome() == "no test"
+    assert same.text() == "ceiling +0.000 (identical in every run: no test, 5 seeds, paired)"
+    real = V.difference("real", V.Values([1.0, 2.0, 3.0], range(3)), V.Values([0.5, 1.0, 2.5], range(3)))
+    V.holm_family([same, real])
+    assert real.p_holm == pytest.approx(real.p) and same.p_holm is None  # a family of one
+    shifted = V.difference("shift", V.Values([1.1] * 3, range(3)), V.Values([1.0] * 3, range(3)), sign=1)
+    assert not shifted.identical() and shifted.p == 0.0
+    eq = V.difference("eq", V.Values([2.0] * 3, range(3)), V.Values([2.0] * 3, range(3)), margin=0.01)
+    assert eq.identical() and eq.family_p() is None and V.WORDS[eq.outcome()].startswith("no test")
+
+
+def test_numbers_print_with_enough_digits_for_their_interval():
+    """An interval narrower than 10^-3 gets the decimals that keep its ends apart in print (stop 51's table read
+    -0.004 [-0.004, -0.004]); wider ones keep 3 decimals; tiny estimates print in scientific notation."""
+    t = V.Test("tr", -0.00413, -0.00425, -0.00401)
+    assert t.text() == "tr -0.00413 [-0.00425, -0.00401]"
+    assert V.Test("loss", 0.018, -0.032, 0.068).text() == "loss +0.018 [-0.032, +0.068]"
+    assert V.Test("lag", 3.19e-4, -1.91e-2, 1.97e-2).text() == "lag +3.19e-04 [-1.91e-02, +1.97e-02]"
+    narrow = V.Test("n", 0.0040012, 0.0040010, 0.0040014).text()  # 4e-7 wide: more significant digits
+    lo, hi = narrow.split("[")[1].rstrip("]").split(", ")
+    assert lo != hi and "e-03" in narrow
 
 
 def test_stdlib_claim_9_reads_its_long_sweep_and_its_controls_apart(tmp_path, monkeypatch):
