@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cemtool.errors import CemtoolError
+
 MOMENTUM = ["hb", "nesterov", "tmm", "adam", "adamw", "rmsprop", "muon", "ortho", "soap", "shampoo"]
 CEM = ["cem", "cem-rec2", "cem-precond", "cem-dplr", "cem-full"]
 TUNE_SEEDS = [100, 101]
@@ -117,6 +119,7 @@ class Sweep:
     grid: str | None = None
     tuned: str | None = None
     analyses: list[str] = field(default_factory=list)
+    lr_from: tuple[str, str] | None = None  # (tuning study, arch): train.lr as that study chose it for that arch
 
     @property
     def runs(self) -> int:
@@ -156,7 +159,22 @@ def chains(size: Size, shapes: dict, lime_ratio: float) -> list[Chain]:
         Sweep("main/cem", CEM, S, size.tokens, "default", tuned="main/tune/core"),
         # the baseline trained on LIMe's training FLOPs: more tokens by the ratio of their FLOPs per token
         Sweep("main/baseline-lime-flops", ["baseline"], S, size.whole_steps(size.tokens * lime_ratio), "default",
-              tuned="main/tune/core")])
+              tuned="main/tune/core"),
+        # claims 6-8 at a shared lr as well as at each one's own: every momentum architecture at the baseline's
+        # tuned lr (study.sh's stdlib part: momentum-shared-lr), after the tuning it reads
+        Sweep("main/momentum-shared-lr", MOMENTUM, S, size.tokens, "default", analyses=sf,
+              lr_from=("main/tune/core", "baseline"))])
+    controls = [  # the controls of study.sh's stdlib part that can flip a verdict
+        # the momentum streams without learned embeddings: the baseline's parameters (claims 4-8)
+        group("main", "momentum-zero", ["hb", "nesterov", "tmm"], size, grid, sf, "default",
+              ["model.momentum.stream_init=zero"]),
+        # LIMe's router at the reference code's absolute lr, and a random router frozen at initialisation (11-14)
+        group("main", "lime-router-abs", ["lime"], size, grid, ["collapse"], "default", ["model.lime.router_lr=0.01"]),
+        group("main", "lime-frozen", ["lime"], size, grid, ["collapse"], "default", ["model.lime.freeze_router=true"]),
+        # value entropy and separability at initialisation: one step at lr 0 leaves the weights as initialised
+        Chain("main/init", [Sweep("main/init", ["baseline", "lime"], S, size.tokens_per_step, "default",
+                                  ["train.lr=0"], analyses=["collapse"])]),
+    ]
     return [
         group("main", "momentum", MOMENTUM, size, grid, sf, "default"),
         group("main", "baseline-wide", ["baseline"], size, grid, sf, "wide", shapes["wide"]),
@@ -168,6 +186,7 @@ def chains(size: Size, shapes: dict, lime_ratio: float) -> list[Chain]:
         group("main", "late-lowrank-75", ["baseline"], size, grid, [], "late-lowrank-75", shapes["late-lowrank-75"]),
         group("main", f"depth{3 * size.n_layer}", ["baseline", "lime"], size, grid, ["collapse"], "deep",
               shapes["deep"]),
+        *controls,
         group("muon", "lane1", ["baseline", "hb", "nesterov", "tmm", "adam", "adamw"], size, size.muon_grid, sf,
               "muon",
               ["train.optimizer=muon"]),
@@ -444,14 +463,27 @@ def sweep_args(s: Sweep, out: Path, size: Size, common: list[str], options: list
     if s.tuned:
         argv += ["--tuned", str(out / s.tuned), "--archs", ",".join(s.archs)]
     else:
-        argv += ["--archs", ",".join(s.archs), "--grid", s.grid, *common]
-        argv += [x for v in s.sets for x in ("--set", v)]
+        argv += ["--archs", ",".join(s.archs), *(["--grid", s.grid] if s.grid else []), *common]
+        argv += [x for v in [*s.sets, *shared_lr(s, out)] for x in ("--set", v)]
     if s.analyses:
         argv += ["--analyses", ",".join(s.analyses)]
         argv += [x for o in options if o.split(".")[0] in s.analyses for x in ("-A", o)]
         if "forgetting" in s.analyses and target:
             argv += ["--to", target]
     return [*argv, "--out", str(out / s.dir), "--device", device, "--quiet"]
+
+
+def shared_lr(s: Sweep, out: Path) -> list[str]:
+    """``train.lr=X`` with X the learning rate ``s.lr_from``'s tuning study chose for its architecture (read when
+    the sweep starts, after the tuning study before it in the chain); nothing for other sweeps. A tuning study
+    that has not selected is one line, as the sweep's refusals are."""
+    if s.lr_from is None:
+        return []
+    study, arch = s.lr_from
+    sel = out / study / "selection.json"
+    if not sel.is_file():
+        raise CemtoolError(f"{s.dir} takes train.lr from {out / study}, which has not selected (no selection.json)")
+    return [f"train.lr={json.loads(sel.read_text())['archs'][arch]['chosen']['train.lr']}"]
 
 
 def log(out: Path, line: str) -> None:
@@ -572,7 +604,14 @@ def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, args_of, launc
             log(out, f"lane {lane} start {s.dir}")
             print(f"lane {lane}: {s.dir} ({s.runs} runs)", flush=True)
             (out / s.dir).parent.mkdir(parents=True, exist_ok=True)
-            rc = launcher.run(args_of(s), str(out / f"{s.dir}.log"), env)
+            try:
+                argv = args_of(s)
+            except CemtoolError as e:  # (shared_lr: its tuning study has not selected) noted; the lane goes on
+                log(out, f"lane {lane} exit 1 {s.dir}: {e}")
+                with lock:
+                    failed.append(f"{s.dir} ({e})")
+                continue
+            rc = launcher.run(argv, str(out / f"{s.dir}.log"), env)
             log(out, f"lane {lane} {'done ' if rc == 0 else f'exit {rc}'} {s.dir}")
             if rc:
                 with lock:
@@ -751,8 +790,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    from cemtool.errors import CemtoolError
-
     try:
         sys.exit(main(sys.argv[1:]))
     except CemtoolError as e:  # a bad --set, unreadable token files...: one line, as the CLI prints it

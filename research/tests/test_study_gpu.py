@@ -40,8 +40,9 @@ def test_every_study_completed_as_the_estimate_planned(tiny):
     out, stdout = tiny["out"], tiny["res"].stdout
     planned = table(stdout)
     assert "estimate:" in stdout and "device-hours" in stdout
-    assert len(planned) == 22 and {"main/tune/momentum", "main/core", "main/depth6", "main/late-lowrank-75",
-                                   "muon/tune/lane1", "muon/lane2"} <= set(planned)
+    assert len(planned) == 30 and {"main/tune/momentum", "main/core", "main/depth6", "main/late-lowrank-75",
+                                   "main/momentum-shared-lr", "main/tune/momentum-zero", "main/lime-frozen",
+                                   "main/init", "muon/tune/lane1", "muon/lane2"} <= set(planned)
     assert {str(p.relative_to(out)) for p in study_dirs(out)} == set(planned)
     for name, (runs, tokens) in planned.items():
         study = json.loads((out / name / "study.json").read_text())
@@ -59,6 +60,9 @@ def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
         if plan["grid"]:
             assert plan["seeds"] == [100] and plan["tuned_from"] is None  # --tiny's one tuning seed
             continue
+        if d.name in ("momentum-shared-lr", "init"):  # fixed rates (the test below)
+            assert plan["tuned_from"] is None
+            continue
         tuning = Path(plan["tuned_from"])
         assert tuning.is_absolute() and tuning.parent.name == "tune" and tuning.parent.parent == d.parent
         tune = json.loads((tuning / "study.json").read_text())
@@ -73,7 +77,48 @@ def test_comparisons_use_their_tuning_selection_on_other_seeds(tiny):
             best = min(points, key=lambda p: sum(points[p]) / len(points[p]))
             assert plan["arch_overrides"][arch] == [f"{k}={v}" for k, v in best], (d, arch)
         compared += 1
-    assert compared == 12  # core, cem, baseline-lime-flops, 7 more groups of main, muon lane1 and lane2
+    assert compared == 15  # core, cem, baseline-lime-flops, 10 more groups of main, muon lane1 and lane2
+
+
+@pytest.mark.slow
+def test_the_controls_run_as_study_sh_stdlib_part_runs_them(tiny):
+    """The controls that can flip a verdict, as study.sh's stdlib part runs them: every momentum architecture at
+    the baseline's tuned lr (read from main/tune/core's selection when the sweep starts) with sharpness and
+    forgetting; the zero-initialised streams; LIMe's router at lr 1e-2 and frozen; one step at lr 0."""
+    mod, out = study_gpu(), tiny["out"]
+
+    def study(name):
+        return json.loads((out / name / "study.json").read_text())
+
+    def configs(name):
+        return [json.loads((out / name / i["run"] / "config.json").read_text()) for i in study(name)["items"]]
+
+    lr = json.loads((out / "main/tune/core/selection.json").read_text())["archs"]["baseline"]["chosen"]["train.lr"]
+    shared = study("main/momentum-shared-lr")["plan"]
+    assert shared["archs"] == mod.MOMENTUM and f"train.lr={lr}" in shared["overrides"]
+    assert shared["analyses"] == ["sharpness", "forgetting"] and shared["seeds"] == [0, 1]
+    assert {c["train"]["lr"] for c in configs("main/momentum-shared-lr")} == {float(lr)}
+    assert {c["model"]["momentum"]["stream_init"] for c in configs("main/momentum-zero")} == {"zero"}
+    assert {c["model"]["lime"]["router_lr"] for c in configs("main/lime-router-abs")} == {0.01}
+    assert {c["model"]["lime"]["freeze_router"] for c in configs("main/lime-frozen")} == {True}
+    init = study("main/init")
+    assert init["plan"]["tokens"] == 512 and {c["train"]["lr"] for c in configs("main/init")} == {0.0}
+    assert all((out / "main/init" / i["run"] / "reports" / "collapse.json").is_file() for i in init["items"])
+
+
+def test_a_shared_lr_sweep_before_its_tuning_has_selected_is_one_line(tmp_path):
+    """shared_lr reads the tuning study's selection when the sweep starts; without one it refuses in one line
+    (run_lane notes it as a failed study and the lane goes on), and with one it passes that architecture's lr."""
+    mod = study_gpu()
+    s = mod.Sweep("main/momentum-shared-lr", ["tmm"], [0], 512, "default", lr_from=("main/tune/core", "baseline"))
+    with pytest.raises(mod.CemtoolError, match="has not selected"):
+        mod.shared_lr(s, tmp_path)
+    (tmp_path / "main/tune/core").mkdir(parents=True)
+    (tmp_path / "main/tune/core/selection.json").write_text(json.dumps(
+        {"archs": {"baseline": {"chosen": {"train.lr": "3e-3"}}, "lime": {"chosen": {"train.lr": "1e-2"}}}}))
+    assert mod.shared_lr(s, tmp_path) == ["train.lr=3e-3"]
+    args = mod.sweep_args(s, tmp_path, mod.SIZES["tiny"], ["--data", "d"], [], None, "cpu")
+    assert args[args.index("--set") + 1] == "train.lr=3e-3" and "--grid" not in args
 
 
 @pytest.mark.slow
