@@ -7,11 +7,13 @@ the grid's edge gets one more value beyond it, once, at the grid's own spacing t
 GRID is the grid study.sh states (``train.lr=1e-3,2e-3,...``). ``ask`` prints the grid the tuning study already
 holds where that is GRID plus more values (the extension below, made in an earlier invocation), so a rerun asks
 for what is stored (a sweep refuses a grid that drops stored values); otherwise GRID. ``edge`` reads the study's
-selection.json, written when the study finished: where some architecture's choice is the grid's smallest or
-largest value (``at_edge``) and the stored grid is still GRID's values (no extension yet), it prints GRID with one
-more value, the edge times the ratio of the edge to its neighbour (1.6e-2 -> 3.2e-2 on a factor-2 grid). It prints
-nothing where the choice is inside, the study or its selection is missing or older than the stored grid, or the
-grid was already extended, so the rule fires at most once per group and never after a result was read by hand.
+selection.json, which a tuning sweep does not write: study.sh writes it first with the comparison's
+`cemtool sweep --tuned TUNEDIR ... --dry-run` (cemtool's one selection rule, docs/sweep.md). Where some
+architecture's choice is the grid's smallest or largest value (``at_edge``) and the stored grid is still GRID's
+values (no extension yet), it prints GRID with one more value, the edge times the ratio of the edge to its
+neighbour (1.6e-2 -> 3.2e-2 on a factor-2 grid). It prints nothing where the choice is inside, the study or its
+selection is missing or of another grid, or the grid was already extended, so the rule fires at most once per
+group.
 """
 
 from __future__ import annotations

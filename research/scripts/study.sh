@@ -104,10 +104,12 @@ six() {  # six ARGS...: a group (below) at 6 layers: the part's SIX in place of 
 group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   local out=$1 name=$2 archs=$3 analyses=$4 seeds=$5 grid=$6; shift 6
   local tune=$out/tune/$name stated=$grid more=
-  if [ -n "$EDGE_RULE" ]; then grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated"); fi
+  if [ -n "$EDGE_RULE" ]; then grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated") || grid=$stated; fi
   sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
   if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ]; then  # a choice at the grid's edge: one more value, once
-    more=$(python3 research/scripts/grid_edge.py edge "$tune" "$stated")
+    # the selection of the study as it stands (a tuning sweep does not write it; the comparison's dry run does)
+    $CEMTOOL sweep --tuned "$tune" --seeds "$seeds" --out "$out/$name" --dry-run > /dev/null 2>&1 || true
+    more=$(python3 research/scripts/grid_edge.py edge "$tune" "$stated") || more=
     if [ -n "$more" ]; then
       echo "$(date -u +%FT%TZ) edge  $tune: a choice at the grid's edge, extended to $more" >> "$OUT/study.log"
       sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$more" "${COMMON[@]}" "$@"

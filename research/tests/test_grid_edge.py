@@ -63,7 +63,9 @@ def test_edge_follows_an_uneven_grids_own_spacing_at_its_edge(tmp_path):
 
 def test_edge_fires_once_and_never_on_a_stale_or_missing_selection(tmp_path):
     assert grid_edge.edge(study(tmp_path, GRID + ",3.2e-2", "3.2e-2"), GRID) == ""  # extended already
-    assert grid_edge.edge(study(tmp_path, GRID, "1.6e-2", selected="train.lr=1e-3,2e-3,4e-3"), GRID) == ""
+    stale = study(tmp_path, GRID, "4e-3", selected="train.lr=1e-3,2e-3,4e-3")  # at the edge of another grid
+    assert json.loads((stale / "selection.json").read_text())["archs"]["nesterov"]["at_edge"] == ["train.lr"]
+    assert grid_edge.edge(stale, GRID) == ""
     (tmp_path / "tune" / "selection.json").unlink()
     assert grid_edge.edge(study(tmp_path, GRID), GRID) == ""
     assert grid_edge.edge(tmp_path / "none", GRID) == ""
@@ -77,13 +79,26 @@ def test_fmt_spells_values_as_the_grids_do():
 
 FAKE = textwrap.dedent('''\
     #!/usr/bin/env python3
-    """A stand-in for cemtool: records each call; a grid sweep stores its grid (refusing one that drops a stored
-    value) and writes a selection choosing the largest lr in the groups named by $EDGE_AT, the middle one elsewhere."""
+    """A stand-in for cemtool: records each call. A grid sweep stores its grid and archs (refusing a grid that drops
+    a stored value) and writes no selection, as `cemtool sweep --grid` does not; `--tuned T --dry-run` writes T's
+    selection.json, choosing the largest lr in the groups named by $EDGE_AT and the middle one elsewhere."""
     import json, os, sys
     from pathlib import Path
     args = sys.argv[1:]
     with open(os.environ["FAKE_LOG"], "a") as f:
         f.write(json.dumps(args) + "\\n")
+    if args[:1] == ["sweep"] and "--tuned" in args and "--dry-run" in args:
+        tune = Path(args[args.index("--tuned") + 1])
+        if not (tune / "study.json").exists():
+            sys.exit(1)
+        stored = json.loads((tune / "study.json").read_text())["plan"]
+        grid = stored["grid"][0]
+        values = [float(v) for v in grid.split("=", 1)[1].split(",")]
+        edge = tune.name in os.environ.get("EDGE_AT", "").split(",")
+        chosen = max(values) if edge else sorted(values)[len(values) // 2]
+        (tune / "selection.json").write_text(json.dumps({"grid": [grid], "archs": {stored["archs"][0]: {
+            "chosen": {"train.lr": repr(chosen)}, "at_edge": ["train.lr"] if edge else []}}}))
+        sys.exit(0)
     if args[:1] != ["sweep"] or "--grid" not in args:
         sys.exit(0)
     out, grid = Path(args[args.index("--out") + 1]), args[args.index("--grid") + 1]
@@ -94,12 +109,7 @@ FAKE = textwrap.dedent('''\
             print("Error: the grid drops stored values", file=sys.stderr)
             sys.exit(1)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "study.json").write_text(json.dumps({"plan": {"grid": [grid]}}))
-    edge = out.name in os.environ.get("EDGE_AT", "").split(",")
-    chosen = max(values) if edge else sorted(values)[len(values) // 2]
-    arch = args[args.index("--archs") + 1]
-    (out / "selection.json").write_text(json.dumps({"grid": [grid], "archs": {arch: {
-        "chosen": {"train.lr": repr(chosen)}, "at_edge": ["train.lr"] if edge else []}}}))
+    (out / "study.json").write_text(json.dumps({"plan": {"grid": [grid], "archs": [args[args.index("--archs") + 1]]}}))
 ''')
 
 
@@ -126,13 +136,18 @@ def test_study_sh_extends_an_edge_choice_once_and_a_rerun_asks_for_the_stored_gr
         return [(Path(c[c.index("--out") + 1]).name, c[c.index("--grid") + 1]) for c in calls
                 if c[0] == "sweep" and "--grid" in c]
 
-    first = tunings(lane2())
+    def selected(calls):  # the dry runs that write each tuning study's selection before the edge rule reads it
+        return [Path(c[c.index("--tuned") + 1]).name for c in calls if "--dry-run" in c and "--tuned" in c]
+
+    calls = lane2()
+    first = tunings(calls)
+    assert {"nesterov-zero", "late-lowrank-75-6", "cem-rec2"} <= set(selected(calls))
     assert ("nesterov-zero", GRID) in first and ("nesterov-zero", GRID + ",3.2e-2") in first
     six = "train.lr=2e-3,4e-3,8e-3"
     assert first.count(("late-lowrank-75-6", six)) == 1 and ("late-lowrank-75-6", six + ",1.6e-2") in first
-    calls = Counter(name for name, _ in first)  # every other group: one tuning call, its stated grid
-    assert {name for name, k in calls.items() if k > 1} == {"nesterov-zero", "late-lowrank-75-6"}
-    assert max(calls.values()) == 2 and len(calls) > 10  # (17 groups in lane 2 at stop 52)
+    per_group = Counter(name for name, _ in first)  # every other group: one tuning call, its stated grid
+    assert {name for name, k in per_group.items() if k > 1} == {"nesterov-zero", "late-lowrank-75-6"}
+    assert max(per_group.values()) == 2 and len(per_group) > 10  # (17 groups in lane 2 at stop 52)
     study_log = (out / "study.log").read_text()
     assert study_log.count(" edge  ") == 2 and "extended to " + GRID + ",3.2e-2" in study_log
 
