@@ -28,8 +28,9 @@ What changed against the first rules (research/scripts/findings.py):
   against; it is shown as "no test (identical in every run)", leaves the Holm family, and has no MDE (the MDE 0
   that a zero standard error gives says nothing about a measure that cannot go higher). Where the part has a second
   reading of the same quantity that is not degenerate (claim 12's lag-1 probe), that reading takes its place in the
-  family. Fixed after the lag-1 reading was known (stdlib +0.0003 [-0.019, +0.020], not resolved); it changes no
-  verdict's outcome.
+  family and the verdict, and the degenerate test is shown as a second reading; where it has none, the degenerate
+  test stays in the verdict as the part of the claim that went untested (never counted as reproduced). Fixed after
+  the lag-1 reading was known (stdlib +0.0003 [-0.019, +0.020], not resolved); it changes no verdict's outcome.
 """
 
 from __future__ import annotations
@@ -123,14 +124,15 @@ class Test:
         return "reproduced" if np.sign(self.est) == self.sign else "opposite"
 
     def number_format(self, digits: int = 3) -> str:
-        """``digits`` decimals, more where the 95% interval is narrower than 10^-digits (two significant digits of
-        its width, so that its ends differ in print); scientific notation, as many significant digits, below
-        10^-digits or beyond 5 decimals."""
+        """d decimals: ``digits``, or more where the 95% interval is narrower than 10^-digits (two significant
+        digits of its width, so that its ends differ in print); scientific notation, with as many significant
+        digits, for an estimate below 10^-d or where d would exceed 5."""
         width = (self.hi - self.lo) if self.lo is not None and self.hi is not None else 0.0
-        d = max(digits, math.ceil(-math.log10(width)) + 1) if width > 0 else digits
-        if self.est == 0 or (abs(self.est) >= 10 ** -d and d <= 5):
+        d = max(digits, math.ceil(-math.log10(width)) + 1) if math.isfinite(width) and width > 0 else digits
+        if d <= 5 and (self.est == 0 or abs(self.est) >= 10 ** -d):
             return f"{{:+.{d}f}}"
-        sig = max(3, math.ceil(math.log10(abs(self.est) / width)) + 2) if width > 0 and self.est else 3
+        sig = max(3, math.ceil(math.log10(abs(self.est) / width)) + 2) \
+            if math.isfinite(width) and width > 0 and self.est and math.isfinite(self.est) else 3
         return f"{{:+.{sig - 1}e}}"
 
     def text(self, digits: int = 3) -> str:
@@ -431,6 +433,8 @@ def reissue(p, F, root, part: str) -> list[dict]:
         if min(map(len, lag)) >= 2:  # primary in the separability test's place where that one is degenerate
             t12.append(difference("lime − baseline, separability of the token one back (lag-1 probe)", *lag, sign=1,
                                   primary=t12[1].identical()))
+            if t12[1].identical():  # replaced: shown as a second reading ("no test")
+                t12[1].primary = False
         rows.append(("12", t12))
     if want("claim13"):
         b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")
@@ -528,6 +532,8 @@ def verdict(claim: str, tests: list[Test]) -> str:
     if any(t.est is None for t in prim):
         return "not run yet"
     o = [t.outcome() for t in tests]
+    if prim and all(t.identical() for t in prim):  # nothing was tested: never "reproduced"
+        return "no test (" + "; ".join(f"{t.name}: {WORDS['no test']}" for t in prim) + ")"
     good = {"reproduced", "equivalent", "better"}
     if claim == "6":
         st = tests[0].extra.get("standing") or {}
@@ -560,7 +566,7 @@ def verdict(claim: str, tests: list[Test]) -> str:
         return ("reproduced" if o[0] in good else f"not reproduced ({WORDS[o[0]]})") + \
             f"; at the same budget: early-heavy {WORDS[o[1]]}, late-lowrank {WORDS[o[2]]}"
     n_good = sum(x in good for x, t in zip(o, tests, strict=True) if t.primary)
-    if n_good == len(prim):
+    if n_good == len(prim):  # (a primary test of identical arms is not good: that part of the claim went untested)
         return "reproduced"
     if n_good:
         return "mixed (" + "; ".join(f"{t.name}: {WORDS[x]}" for t, x in zip(tests, o, strict=True)

@@ -4,6 +4,7 @@ from the committed records."""
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -266,11 +267,13 @@ def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tm
         assert t.primary is primary and (t.est, t.p) == pytest.approx((np.mean(lime - base), ref.pvalue), rel=1e-9)
         assert len(after["tests"]) == len(before["tests"]) + 1
         sep = {t.name: t for t in after["tests"]}["lime − baseline, separability"]
-        assert sep.identical() is primary and (sep.outcome() == "no test") is primary
+        assert sep.identical() is primary and (sep.outcome() == "no test") is primary and sep.primary is not primary
         if not primary:
             assert after["verdict"] == before["verdict"]
-        else:
-            assert "separability: no test (identical in every run)" in after["verdict"] and name in after["verdict"]
+        else:  # the lag-1 reading decides in its place (the made-up value entropies are identical too)
+            assert t.outcome() == "reproduced" and f"{name}: reproduced" in after["verdict"]
+            assert "lime − baseline, separability: no test" in before["verdict"]  # without it: named as untested
+            assert "lime − baseline, separability:" not in after["verdict"]  # replaced
 
 
 def test_identical_arms_are_no_test_and_leave_the_family():
@@ -298,6 +301,21 @@ def test_numbers_print_with_enough_digits_for_their_interval():
     narrow = V.Test("n", 0.0040012, 0.0040010, 0.0040014).text()  # 4e-7 wide: more significant digits
     lo, hi = narrow.split("[")[1].rstrip("]").split(", ")
     assert lo != hi and "e-03" in narrow
+    assert V.Test("z", 0.0, -1e-9, 1e-9).text() == "z +0.00e+00 [-1.00e-09, +1.00e-09]"  # not 10 zeros
+    assert V.Test("inf", 0.5, -math.inf, math.inf).text() == "inf +0.500 [-inf, +inf]"
+    assert V.Test("nan", math.nan, math.nan, math.nan).text() == "nan +nan [+nan, +nan]"
+
+
+def test_a_verdict_never_counts_a_test_of_identical_arms_as_reproduced():
+    """A degenerate primary test is the untested part of its claim: named in the verdict, which it keeps from
+    'reproduced'; a claim whose every primary test is degenerate is 'no test'."""
+    ok = V.Test("a", -0.1, -0.2, -0.05, p=0.001, p_holm=0.001)
+    same = V.difference("b", V.Values([1.0] * 3, range(3)), V.Values([1.0] * 3, range(3)))
+    assert ok.outcome() == "reproduced"
+    assert V.verdict("11", [ok, same]) == "mixed (a: reproduced; b: no test (identical in every run))"
+    assert V.verdict("11", [same]).startswith("no test (b: no test")
+    same.primary = False  # replaced by another reading: shown, not deciding
+    assert V.verdict("11", [ok, same]) == "reproduced"
 
 
 def test_stdlib_claim_9_reads_its_long_sweep_and_its_controls_apart(tmp_path, monkeypatch):
