@@ -483,7 +483,11 @@ def shared_lr(s: Sweep, out: Path) -> list[str]:
     sel = out / study / "selection.json"
     if not sel.is_file():
         raise CemtoolError(f"{s.dir} takes train.lr from {out / study}, which has not selected (no selection.json)")
-    return [f"train.lr={json.loads(sel.read_text())['archs'][arch]['chosen']['train.lr']}"]
+    try:
+        return [f"train.lr={json.loads(sel.read_text())['archs'][arch]['chosen']['train.lr']}"]
+    except (ValueError, KeyError, TypeError) as e:  # a selection without the arch (nothing to choose) or unreadable
+        raise CemtoolError(f"{s.dir} takes train.lr from {sel}, which has no choice of {arch}'s train.lr "
+                           f"({type(e).__name__}: {e})") from None
 
 
 def log(out: Path, line: str) -> None:
@@ -606,7 +610,7 @@ def run_lane(lane: int, queue: list[Chain], lock: threading.Lock, args_of, launc
             (out / s.dir).parent.mkdir(parents=True, exist_ok=True)
             try:
                 argv = args_of(s)
-            except CemtoolError as e:  # (shared_lr: its tuning study has not selected) noted; the lane goes on
+            except Exception as e:  # (shared_lr: no choice to read) noted, and the lane goes on
                 log(out, f"lane {lane} exit 1 {s.dir}: {e}")
                 with lock:
                     failed.append(f"{s.dir} ({e})")

@@ -117,6 +117,9 @@ def test_a_shared_lr_sweep_before_its_tuning_has_selected_is_one_line(tmp_path):
     (tmp_path / "main/tune/core/selection.json").write_text(json.dumps(
         {"archs": {"baseline": {"chosen": {"train.lr": "3e-3"}}, "lime": {"chosen": {"train.lr": "1e-2"}}}}))
     assert mod.shared_lr(s, tmp_path) == ["train.lr=3e-3"]
+    other = mod.Sweep("x", ["tmm"], [0], 512, "default", lr_from=("main/tune/core", "cem"))  # not in the selection
+    with pytest.raises(mod.CemtoolError, match="no choice of cem"):
+        mod.shared_lr(other, tmp_path)
     args = mod.sweep_args(s, tmp_path, mod.SIZES["tiny"], ["--data", "d"], [], None, "cpu")
     assert args[args.index("--set") + 1] == "train.lr=3e-3" and "--grid" not in args
 

@@ -570,6 +570,11 @@ def test_a_cache_snapshot_given_as_a_directory_gets_no_reports_written_into_it(h
     rep = json.loads((home / "reports" / "sharpness.json").read_text())
     assert (home / "model_source.json").is_file() and rep["eigen"]["top"]
     assert open_subject(snap).run.path.resolve() == home.resolve()
+    link = tmp_path / "my-model"  # a link to the snapshot, and the snapshot as "." from inside it: the same
+    link.symlink_to(snap, target_is_directory=True)
+    assert open_subject(link).run.path.resolve() == home.resolve()
+    monkeypatch.chdir(snap)  # ("runs/hf" is under the current folder, as for an hf: id: here, the snapshot)
+    assert (Path.cwd() / open_subject(".").run.path).resolve() == (snap / "runs" / "hf" / home.name).resolve()
 
 
 def edited_weights(src: str, dst: Path, edit) -> Path:

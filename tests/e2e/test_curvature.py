@@ -144,6 +144,23 @@ def test_adam_preconditioner_is_what_adamw_divides_by():
         torch.testing.assert_close(after - before, -0.01 * D * m, rtol=1e-5, atol=1e-9)
 
 
+def test_a_parameter_no_group_holds_takes_no_step_in_either_diagonal():
+    """A frozen parameter (in no optimizer group, e.g. LIMe's router with freeze_router) has D = 0 in Adam's
+    preconditioner, as its multiplier is 0 in lr_multipliers: the step it takes; the trained ones keep their D."""
+    from cemtool.analysis.curvature.preconditioned import lr_multipliers
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW([{"params": [lin.bias], "lr_mult": 1.0}], lr=0.01, weight_decay=0.0)
+    (lin(torch.randn(3, 4)) ** 2).sum().backward()
+    opt.step()
+    named = list(lin.named_parameters())  # weight (frozen: not in the optimizer), bias
+    D, why = adam_preconditioner(opt, named)
+    assert why is None and torch.equal(D[:8], torch.zeros(8, dtype=torch.float64)) and bool((D[8:] > 0).all())
+    M, mults = lr_multipliers(opt, named)
+    assert mults == [0.0, 1.0] and M.tolist() == [0.0] * 8 + [1.0] * 2
+
+
 def test_preconditioned_operator_has_the_eigenvalues_of_DH():
     g = torch.Generator().manual_seed(1)
     A = torch.randn(12, 12, generator=g, dtype=torch.float64)

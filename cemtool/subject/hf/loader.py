@@ -496,10 +496,11 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).resolve())}
         if not path.is_dir():
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
-        in_cache = path.parent.name == "snapshots" and path.parents[1].name.startswith("models--")
-        check_links(path, cache_repo=path.parents[1] if in_cache else None)  # a snapshot passed as a directory
+        real = path.resolve()  # (".", a relative path or a link to a snapshot: where it really is)
+        in_cache = real.parent.name == "snapshots" and real.parents[1].name.startswith("models--")
+        check_links(path, cache_repo=real.parents[1] if in_cache else None)  # a snapshot passed as a directory
         # a snapshot of the hub's cache is the hub's, not the user's: its reports go where hf:ORG/NAME@COMMIT's go
-        home = Path("runs") / "hf" / f"{path.parents[1].name[len('models--'):]}@{path.name}" if in_cache \
+        home = Path("runs") / "hf" / f"{real.parents[1].name[len('models--'):]}@{real.name}" if in_cache \
             else path
     refuse_remote_code(path)
     weights = check_files(path)
