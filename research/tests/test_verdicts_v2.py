@@ -185,6 +185,30 @@ def test_the_momentum_group_at_the_baselines_lr_is_a_second_reading_of_claims_6_
                                                                        if t.primary]
 
 
+def test_claim_4_counts_vanilla_once_where_it_is_the_lowest_other(tmp_path, monkeypatch):
+    """Claim 4 tests tmm against the lowest other architecture and against vanilla; where vanilla is the lowest
+    other they are one test, named once and counted once in the Holm family (stop 51's stdlib table listed it
+    twice); where another architecture is lower, both are tested."""
+    F = _findings(monkeypatch, ["claim4"])
+    rng = np.random.default_rng(9)
+
+    def reissue(means):
+        p = F.Part(tmp_path, "toy")
+        p.groups = {("core" if a == "baseline" else a, a):
+                    [{"seed": s, "val_loss": float(v)} for s, v in enumerate(rng.normal(m, 0.01, 5))]
+                    for a, m in means.items()}
+        return V.reissue(p, F, tmp_path, "toy")[0]
+
+    low = reissue({"baseline": 3.00, "tmm": 3.02, "nesterov": 3.05, "hb": 3.06, "adam": 3.07, "adamw": 3.08})
+    assert [t.name for t in low["tests"]] == ["tmm − baseline (the lowest other, and vanilla)"]
+    t = low["tests"][0]
+    assert t.p_holm == pytest.approx(t.p)  # a family of one
+    assert low["verdict"].startswith("not reproduced (tmm ranks 2 of 6")
+    other = reissue({"baseline": 3.10, "tmm": 3.02, "nesterov": 3.00, "hb": 3.06, "adam": 3.07, "adamw": 3.08})
+    assert [t.name for t in other["tests"]] == ["tmm − nesterov (the lowest other)", "tmm − vanilla"]
+    assert other["tests"][1].outcome() == "reproduced" and other["verdict"].startswith("not reproduced")
+
+
 def test_claim_10_is_tested_at_6_layers_once_its_four_groups_have_run(tmp_path, monkeypatch):
     """Claim 10 at 6 layers (the paper's depth): with all four 6-layer groups finished, its primary test is the
     6-layer late-lowrank at 75% − uniform (paired by seed), and the 4-layer tests become second readings; with
