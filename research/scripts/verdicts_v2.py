@@ -116,7 +116,7 @@ class Test:
         if self.kind == "equivalence":
             if self.resolved():
                 return "equivalent"
-            p_dir = self.extra.get("p_holm_direction")
+            p_dir = self.extra.get("p_holm_difference")  # (a second reading's: adjusted as one more member)
             if p_dir is not None and p_dir < ALPHA:
                 return "better" if self.est < 0 else "worse"
             return "unresolved"
@@ -145,7 +145,9 @@ class Test:
                 (f", {self.unit})" if self.unit else ")")
         iv = "" if self.lo is None else f" [{f.format(self.lo)}, {f.format(self.hi)}]"
         bits = [f"{self.name} {f.format(self.est)}{iv}"]
-        if self.p_holm is not None:
+        if self.p_holm is not None and self.extra.get("p_holm_difference") is not None:  # an equivalence test
+            bits.append(f"p_Holm {self.p_holm:.2g} equivalence, {self.extra['p_holm_difference']:.2g} difference")
+        elif self.p_holm is not None:
             bits.append(f"p_Holm {self.p_holm:.2g}")
         if self.kind == "equivalence" and self.lo90 is not None:
             bits.append(f"90% [{f.format(self.lo90)}, {f.format(self.hi90)}] vs ±{self.margin}")
@@ -251,10 +253,12 @@ def holm_family(tests: list[Test]) -> None:
         t.p_holm = adj
     eq = [t for t in prim if t.kind == "equivalence"]
     for t, adj in zip(eq, holm([t.p for t in eq]), strict=True):
-        t.extra["p_holm_direction"] = adj
+        t.extra["p_holm_difference"] = adj
     for t in tests:  # second readings: adjusted as if in the family (the family size plus one), shown, not counted
         if not t.primary and t.family_p() is not None:
             t.p_holm = min(1.0, t.family_p() * (len(prim) + 1))
+            if t.kind == "equivalence" and t.p is not None:  # its "better" / "worse" reading, as a primary's
+                t.extra["p_holm_difference"] = min(1.0, t.p * (len(eq) + 1))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -526,7 +530,7 @@ def saturation_tests(F, root, part: str) -> list[Test]:
 
 WORDS = {"reproduced": "reproduced", "opposite": "the opposite is resolved", "unresolved": "not resolved",
          "equivalent": "equivalent within the margin", "better": "better, resolved",
-         "worse": "worse by more than the margin", "not run yet": "not run yet",
+         "worse": "worse, resolved", "not run yet": "not run yet",
          "no test": "no test (identical in every run)"}
 
 

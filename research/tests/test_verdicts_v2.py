@@ -61,8 +61,25 @@ def test_outcomes_follow_the_claimed_sign():
     eq = V.Test("x", 0.002, kind="equivalence", margin=0.01, p=0.6, p_tost=0.001, p_holm=0.01)
     assert eq.outcome() == "equivalent"
     worse = V.Test("x", 0.05, kind="equivalence", margin=0.01, p=0.001, p_tost=0.9, p_holm=1.0,
-                   extra={"p_holm_direction": 0.004})
-    assert worse.outcome() == "worse"
+                   extra={"p_holm_difference": 0.004})
+    assert worse.outcome() == "worse" and V.WORDS["worse"] == "worse, resolved"  # (not "by more than the margin":
+    # a difference resolved from 0 need not exceed the margin)
+
+
+def test_an_equivalence_test_shows_both_ps_and_a_second_reading_reads_its_difference_as_a_primary_does():
+    """The TOST p (equivalence) and the difference's p, both Holm-adjusted, are printed; a second reading of an
+    equivalence test is 'worse, resolved' or 'better, resolved' from its difference's p adjusted as one more member
+    of the family, as a second reading of a directional test is read from its own adjusted p."""
+    a, b = V.Values([3.10, 3.12, 3.11, 3.13, 3.12], range(5)), V.Values([3.00, 3.01, 3.02, 3.00, 3.01], range(5))
+    prim = V.difference("primary", a, b, margin=0.01)
+    second = V.difference("second", a, b, margin=0.01, primary=False)
+    other = V.Test("other", -0.1, p=0.2)
+    V.holm_family([prim, second, other])
+    assert prim.extra["p_holm_difference"] == pytest.approx(holm([prim.p])[0])  # the one equivalence primary
+    assert second.extra["p_holm_difference"] == pytest.approx(min(1.0, second.p * 2))  # one more member
+    assert prim.outcome() == second.outcome() == "worse"
+    assert f"p_Holm {prim.p_holm:.2g} equivalence, {prim.extra['p_holm_difference']:.2g} difference" in prim.text()
+    assert "difference" not in other.text()
 
 
 def test_claim6_without_a_minimum_is_not_testable_as_stated():
