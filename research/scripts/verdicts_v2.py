@@ -24,9 +24,9 @@ What changed against the first rules (research/scripts/findings.py):
 - **Claim 8 over architecture means**, with the two-level bootstrap (architectures, then seeds) and the partial
   correlation given the learning rate.
 - **Claim 4's two tests are one where vanilla is the lowest other** (stop 52): named and counted once in Holm.
-- **No test where the arms are identical in every run** (stop 52): a difference whose runs are all equal on both
+- **No test where the arms are equal run for run** (stop 52): a difference whose runs are all equal on both
   sides (a measure at its ceiling: the input-token probe of claim 12 reads 1.000 in every run) has no spread to test
-  against; it is shown as "no test (identical in every run)", leaves the Holm family, and has no MDE (the MDE 0
+  against; it is shown as "no test (the arms equal run for run)", leaves the Holm family, and has no MDE (the MDE 0
   that a zero standard error gives says nothing about a measure that cannot go higher). Where the part has a second
   reading of the same quantity that is not degenerate (claim 12's lag-1 probe), that reading takes its place in the
   family and the verdict, and the degenerate test is shown as a second reading; where it has none, the degenerate
@@ -97,7 +97,8 @@ class Test:
     extra: dict = field(default_factory=dict)
 
     def identical(self) -> bool:
-        """Every run of both arms is equal: nothing to test (:func:`difference`)."""
+        """Every difference between the arms is 0 (paired: each seed's two runs equal; Welch: both arms one and
+        the same constant): nothing to test (:func:`difference`)."""
         return bool(self.extra.get("identical"))
 
     def family_p(self) -> float | None:
@@ -129,7 +130,7 @@ class Test:
         digits of its width, so that its ends differ in print); scientific notation, with as many significant
         digits, for an estimate below 10^-d or where d would exceed 5."""
         width = (self.hi - self.lo) if self.lo is not None and self.hi is not None else 0.0
-        d = max(digits, math.ceil(-math.log10(width)) + 1) if math.isfinite(width) and width > 0 else digits
+        d = math.ceil(-math.log10(width)) + 1 if math.isfinite(width) and 0 < width < 10 ** -digits else digits
         if d <= 5 and (self.est == 0 or abs(self.est) >= 10 ** -d):
             return f"{{:+.{d}f}}"
         sig = max(3, math.ceil(math.log10(abs(self.est) / width)) + 2) \
@@ -141,7 +142,7 @@ class Test:
             return f"{self.name}: not run yet"
         f = self.number_format(digits)
         if self.identical():
-            return f"{self.name} {f.format(self.est)} (identical in every run: no test" + \
+            return f"{self.name} {f.format(self.est)} (the arms equal run for run: no test" + \
                 (f", {self.unit})" if self.unit else ")")
         iv = "" if self.lo is None else f" [{f.format(self.lo)}, {f.format(self.hi)}]"
         bits = [f"{self.name} {f.format(self.est)}{iv}"]
@@ -251,14 +252,17 @@ def holm_family(tests: list[Test]) -> None:
     prim = [t for t in tests if t.primary and t.family_p() is not None]
     for t, adj in zip(prim, holm([t.family_p() for t in prim]), strict=True):
         t.p_holm = adj
-    eq = [t for t in prim if t.kind == "equivalence"]
-    for t, adj in zip(eq, holm([t.p for t in eq]), strict=True):
-        t.extra["p_holm_difference"] = adj
+    # the second family: the same tests, each equivalence test's difference p in place of its TOST p (until stop
+    # 52 the code adjusted the difference p among the equivalence tests alone, 2-3 of them: too lenient)
+    second = holm([t.p if t.kind == "equivalence" else t.family_p() for t in prim])
+    for t, adj in zip(prim, second, strict=True):
+        if t.kind == "equivalence":
+            t.extra["p_holm_difference"] = adj
     for t in tests:  # second readings: adjusted as if in the family (the family size plus one), shown, not counted
         if not t.primary and t.family_p() is not None:
             t.p_holm = min(1.0, t.family_p() * (len(prim) + 1))
             if t.kind == "equivalence" and t.p is not None:  # its "better" / "worse" reading, as a primary's
-                t.extra["p_holm_difference"] = min(1.0, t.p * (len(eq) + 1))
+                t.extra["p_holm_difference"] = min(1.0, t.p * (len(prim) + 1))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -439,10 +443,11 @@ def reissue(p, F, root, part: str) -> list[dict]:
         # from the values at t (collapse-report --lag 1), layers >= 1
         lag = per_run("lime", "separability", lag1=True), per_run(van, "separability", lag1=True)
         if min(map(len, lag)) >= 2:  # primary in the separability test's place where that one is degenerate
-            t12.append(difference("lime − baseline, separability of the token one back (lag-1 probe)", *lag, sign=1,
-                                  primary=t12[1].identical()))
-            if t12[1].identical():  # replaced: shown as a second reading ("no test")
-                t12[1].primary = False
+            t = difference("lime − baseline, separability of the token one back (lag-1 probe)", *lag, sign=1,
+                           primary=False)
+            if t12[1].identical() and not t.identical():  # replaced: shown as a second reading ("no test")
+                t.primary, t12[1].primary = True, False
+            t12.append(t)
         rows.append(("12", t12))
     if want("claim13"):
         b4, l4 = p.values("val_loss", van), p.values("val_loss", "lime")
@@ -531,7 +536,7 @@ def saturation_tests(F, root, part: str) -> list[Test]:
 WORDS = {"reproduced": "reproduced", "opposite": "the opposite is resolved", "unresolved": "not resolved",
          "equivalent": "equivalent within the margin", "better": "better, resolved",
          "worse": "worse, resolved", "not run yet": "not run yet",
-         "no test": "no test (identical in every run)"}
+         "no test": "no test (the arms equal run for run)"}
 
 
 def verdict(claim: str, tests: list[Test]) -> str:
@@ -540,8 +545,6 @@ def verdict(claim: str, tests: list[Test]) -> str:
     if any(t.est is None for t in prim):
         return "not run yet"
     o = [t.outcome() for t in tests]
-    if prim and all(t.identical() for t in prim):  # nothing was tested: never "reproduced"
-        return "no test (" + "; ".join(f"{t.name}: {WORDS['no test']}" for t in prim) + ")"
     good = {"reproduced", "equivalent", "better"}
     if claim == "6":
         st = tests[0].extra.get("standing") or {}
@@ -573,6 +576,8 @@ def verdict(claim: str, tests: list[Test]) -> str:
     if claim == "10":
         return ("reproduced" if o[0] in good else f"not reproduced ({WORDS[o[0]]})") + \
             f"; at the same budget: early-heavy {WORDS[o[1]]}, late-lowrank {WORDS[o[2]]}"
+    if not prim or all(t.identical() for t in prim):  # nothing was tested: never "reproduced"
+        return "no test (" + "; ".join(f"{t.name}: {WORDS['no test']}" for t in prim) + ")"
     n_good = sum(x in good for x, t in zip(o, tests, strict=True) if t.primary)
     if n_good == len(prim):  # (a primary test of identical arms is not good: that part of the claim went untested)
         return "reproduced"

@@ -75,8 +75,11 @@ def test_an_equivalence_test_shows_both_ps_and_a_second_reading_reads_its_differ
     second = V.difference("second", a, b, margin=0.01, primary=False)
     other = V.Test("other", -0.1, p=0.2)
     V.holm_family([prim, second, other])
-    assert prim.extra["p_holm_difference"] == pytest.approx(holm([prim.p])[0])  # the one equivalence primary
-    assert second.extra["p_holm_difference"] == pytest.approx(min(1.0, second.p * 2))  # one more member
+    # the second family: the part's primaries with the difference p in place of the TOST p (not the equivalence
+    # tests alone, which left it nearly uncorrected), and a second reading as one more member of the family
+    assert prim.extra["p_holm_difference"] == pytest.approx(holm([prim.p, other.p])[0])
+    assert prim.extra["p_holm_difference"] > prim.p  # corrected for the other member
+    assert second.extra["p_holm_difference"] == pytest.approx(min(1.0, second.p * 3))
     assert prim.outcome() == second.outcome() == "worse"
     assert f"p_Holm {prim.p_holm:.2g} equivalence, {prim.extra['p_holm_difference']:.2g} difference" in prim.text()
     assert "difference" not in other.text()
@@ -289,18 +292,22 @@ def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tm
     F = _findings(monkeypatch, ["claim12"])
     rng = np.random.default_rng(11)
 
-    def runs(sep, lag0=0.7):
-        return [{"seed": s, "val_loss": 3.0, "layers": [{"layer": 0, "value_entropy": 1.0, "separability": lag0},
-                                                         {"layer": 1, "value_entropy": 1.0, "separability": float(v)},
-                                                         {"layer": 2, "value_entropy": 1.0, "separability": float(v)}]}
-                for s, v in enumerate(sep)]
+    def runs(sep, lag0=0.7, entropy=None):
+        entropy = [1.0] * len(sep) if entropy is None else entropy
+        def layer(k, e, v):
+            return {"layer": k, "value_entropy": float(e), "separability": float(v)}
 
-    base, lime = rng.normal(0.84, 0.01, 5), rng.normal(0.86, 0.01, 5)
+        return [{"seed": s, "val_loss": 3.0, "layers": [layer(0, 1.0, lag0), layer(1, e, v), layer(2, e, v)]}
+                for s, (v, e) in enumerate(zip(sep, entropy, strict=True))]
+
+    base, lime = rng.normal(0.84, 0.01, 5), rng.normal(0.90, 0.01, 5)
+    e_base, e_lime = rng.normal(1.0, 0.05, 5), rng.normal(1.01, 0.05, 5)  # a value entropy that is a test
     ref = stats.ttest_rel(lime, base)
     name = "lime − baseline, separability of the token one back (lag-1 probe)"
     for first, primary in ((rng.normal(0.97, 0.01, 5), False), ([1.0] * 5, True)):
         p = F.Part(tmp_path, "toy")
-        p.groups = {("core", "baseline"): runs(first), ("core", "lime"): runs([1.0] * 5)}
+        p.groups = {("core", "baseline"): runs(first, entropy=e_base),
+                    ("core", "lime"): runs([1.0] * 5, entropy=e_lime)}
         before = V.reissue(p, F, tmp_path, "toy")[0]
         p.lag1 = {("core", "baseline"): runs(base, lag0=0.0), ("core", "lime"): runs(lime, lag0=0.0)}
         after = V.reissue(p, F, tmp_path, "toy")[0]
@@ -311,10 +318,14 @@ def test_the_lag1_probe_is_a_second_reading_of_claim_12_where_the_part_ran_it(tm
         assert sep.identical() is primary and (sep.outcome() == "no test") is primary and sep.primary is not primary
         if not primary:
             assert after["verdict"] == before["verdict"]
-        else:  # the lag-1 reading decides in its place (the made-up value entropies are identical too)
+        else:  # the lag-1 reading decides in its place
             assert t.outcome() == "reproduced" and f"{name}: reproduced" in after["verdict"]
+            assert before["verdict"].startswith("not reproduced") or before["verdict"].startswith("mixed")
             assert "lime − baseline, separability: no test" in before["verdict"]  # without it: named as untested
             assert "lime − baseline, separability:" not in after["verdict"]  # replaced
+    p.lag1 = {("core", "baseline"): runs([0.9] * 5, lag0=0.0), ("core", "lime"): runs([0.9] * 5, lag0=0.0)}
+    degenerate = {t.name: t for t in V.reissue(p, F, tmp_path, "toy")[0]["tests"]}  # a lag-1 no better: no swap
+    assert degenerate["lime − baseline, separability"].primary and not degenerate[name].primary
 
 
 def test_identical_arms_are_no_test_and_leave_the_family():
@@ -322,7 +333,7 @@ def test_identical_arms_are_no_test_and_leave_the_family():
     family; a difference of equal constants that are not zero apart (every pair +0.1) stays a test (p 0)."""
     same = V.difference("ceiling", V.Values([1.0] * 5, range(5)), V.Values([1.0] * 5, range(5)), sign=1)
     assert same.identical() and same.p is None and same.mde is None and same.outcome() == "no test"
-    assert same.text() == "ceiling +0.000 (identical in every run: no test, 5 seeds, paired)"
+    assert same.text() == "ceiling +0.000 (the arms equal run for run: no test, 5 seeds, paired)"
     real = V.difference("real", V.Values([1.0, 2.0, 3.0], range(3)), V.Values([0.5, 1.0, 2.5], range(3)))
     V.holm_family([same, real])
     assert real.p_holm == pytest.approx(real.p) and same.p_holm is None  # a family of one
@@ -338,6 +349,7 @@ def test_numbers_print_with_enough_digits_for_their_interval():
     t = V.Test("tr", -0.00413, -0.00425, -0.00401)
     assert t.text() == "tr -0.00413 [-0.00425, -0.00401]"
     assert V.Test("loss", 0.018, -0.032, 0.068).text() == "loss +0.018 [-0.032, +0.068]"
+    assert V.Test("mid", 0.003, 0.001, 0.005).text() == "mid +0.003 [+0.001, +0.005]"  # 0.004 wide: 3 decimals
     assert V.Test("lag", 3.19e-4, -1.91e-2, 1.97e-2).text() == "lag +3.19e-04 [-1.91e-02, +1.97e-02]"
     narrow = V.Test("n", 0.0040012, 0.0040010, 0.0040014).text()  # 4e-7 wide: more significant digits
     lo, hi = narrow.split("[")[1].rstrip("]").split(", ")
@@ -353,7 +365,7 @@ def test_a_verdict_never_counts_a_test_of_identical_arms_as_reproduced():
     ok = V.Test("a", -0.1, -0.2, -0.05, p=0.001, p_holm=0.001)
     same = V.difference("b", V.Values([1.0] * 3, range(3)), V.Values([1.0] * 3, range(3)))
     assert ok.outcome() == "reproduced"
-    assert V.verdict("11", [ok, same]) == "mixed (a: reproduced; b: no test (identical in every run))"
+    assert V.verdict("11", [ok, same]) == "mixed (a: reproduced; b: no test (the arms equal run for run))"
     assert V.verdict("11", [same]).startswith("no test (b: no test")
     same.primary = False  # replaced by another reading: shown, not deciding
     assert V.verdict("11", [ok, same]) == "reproduced"
