@@ -9,7 +9,8 @@ finished when it trained and every analysis of the plan is done. Items that are 
 still pending, both of which need checkpoints to continue) are reset to pending in the copied study.json and their
 folders are left out, so `cemtool sweep` (or research/scripts/study.sh) started on the copy retrains them from
 scratch, to the same result: batches and initialisation are a pure function of the seed. Logs and selection.json
-files are copied as they are. DEST is replaced.
+files are copied as they are, and so are the superseded-*/ folders of a re-planned comparison (the runs its
+earlier choice trained, kept for the record; without checkpoints). DEST is replaced.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ def copy_study(src: Path, dest: Path) -> tuple[int, int]:
     if reset:
         manifest["status"] = "incomplete"
     for entry in src.iterdir():
-        if entry.is_dir() and entry.name in runs:
-            copy_run(entry, dest / entry.name)
+        if entry.is_dir() and (entry.name in runs or entry.name.startswith("superseded-")):
+            copy_run(entry, dest / entry.name)  # (superseded-*/: the runs a re-planned comparison set aside)
         elif entry.is_file() and entry.name != "study.json" and entry.name not in SKIP:
             shutil.copy2(entry, dest / entry.name)
     (dest / "study.json").write_text(json.dumps(manifest, indent=1) + "\n")

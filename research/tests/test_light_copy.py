@@ -69,3 +69,17 @@ def test_files_beside_the_studies_are_copied_without_weights_and_locks(tmp_path)
     kept = sorted(str(p.relative_to(tmp_path / "kept")) for p in (tmp_path / "kept").rglob("*") if p.is_file())
     assert kept == ["part/saturation/reports/saturation_sweep.json", "part/saturation/runs/T16-dh2-s0/meta.json",
                     "study/study.json"]
+
+
+def test_a_re_planned_comparisons_superseded_runs_are_kept_without_weights(tmp_path):
+    """A comparison re-planned after its tuning moved keeps the earlier runs in superseded-*/ (cemtool sweep); the
+    light copy keeps them too, for the record, without their checkpoints."""
+    src = tmp_path / "runs" / "study"
+    old = src / "superseded-2026-12-07T153329" / "baseline-s0"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "checkpoints" / "final.safetensors").write_bytes(b"weights")
+    (old / "meta.json").write_text("{}")
+    (src / "study.json").write_text(json.dumps({"status": "incomplete", "items": []}))
+    assert light_copy().main(["light_copy.py", str(tmp_path / "runs"), str(tmp_path / "kept")]) == 0
+    kept = tmp_path / "kept" / "study" / "superseded-2026-12-07T153329" / "baseline-s0"
+    assert (kept / "meta.json").read_text() == "{}" and not (kept / "checkpoints").exists()
