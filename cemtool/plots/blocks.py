@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib import colormaps
-from matplotlib.colors import LogNorm, SymLogNorm
+from matplotlib.colors import LogNorm, Normalize, SymLogNorm
 
 from cemtool.analysis.curvature import DEFAULT_OPERATOR, symbol, title
 from cemtool.plots.style import CURVATURE, new_figure, save
@@ -49,20 +49,24 @@ def cell_text(v: float) -> str:
 
 
 def _norm(values: np.ndarray):
-    """Log colours when every value is positive, else symmetric-log (the Hessian's blocks can be negative)."""
+    """Log colours when every value is positive and they span a decade or more, linear ones within a decade (a log
+    colour bar over less than a decade has no major tick, only crowded minor labels), else symmetric-log (the
+    Hessian's blocks can be negative)."""
     v = values[np.isfinite(values)]
     if v.size == 0:
         return None
     if (v > 0).all():
         lo, hi = float(v.min()), float(v.max())
-        return LogNorm(vmin=lo, vmax=hi if hi > lo else lo * 10)
+        if hi < 10 * lo:
+            return Normalize(vmin=lo, vmax=hi if hi > lo else lo * 2)
+        return LogNorm(vmin=lo, vmax=hi)
     big = float(np.abs(v).max()) or 1.0
     return SymLogNorm(linthresh=max(big * 1e-3, 1e-300), vmin=-big, vmax=big)
 
 
 def _panel(fig, ax, kinds, cols, values, converged, label: str) -> None:
     norm = _norm(values)
-    cmap = colormaps["viridis" if isinstance(norm, LogNorm) else "RdBu_r"].with_extremes(bad="0.9")
+    cmap = colormaps["RdBu_r" if isinstance(norm, SymLogNorm) else "viridis"].with_extremes(bad="0.9")
     im = ax.imshow(np.ma.masked_invalid(values), cmap=cmap, norm=norm, aspect="auto")
     for i in range(len(kinds)):
         for j in range(len(cols)):
@@ -88,21 +92,21 @@ def plot_blocks(report: dict, plots_dir: str | Path, name: str = "sharpness_bloc
         return []
     operator = (report.get("options") or {}).get("operator", DEFAULT_OPERATOR)
     A = symbol(operator)
-    panels = [(k, label) for k, label in (("lambda_max", f"λ_max({A}_block) ({CURVATURE})"),
-                                          ("trace", f"tr({A}_block)"))
+    panels = [(k, label) for k, label in (("lambda_max", "λ_max"), ("trace", f"tr({A})"))  # (colour bars: short)
               if np.isfinite(block_grid(report, k)[2]).any()]
     if not panels:
         return []
     kinds, cols, _, _ = block_grid(report, panels[0][0])
-    width = min(12.0, 2.2 + 0.55 * len(cols))
-    fig, axes = new_figure(width, len(panels) * (0.9 + 0.32 * len(kinds)), nrows=len(panels))
+    width = max(6.0, min(12.0, 2.2 + 0.55 * len(cols)))  # (6 in: the panel titles on one line at 2 layers)
+    fig, axes = new_figure(width, len(panels) * (1.6 + 0.32 * len(kinds)), nrows=len(panels))
     for ax, (key, label) in zip(axes[:, 0], panels, strict=True):
         _panel(fig, ax, *block_grid(report, key), label)
         ax.set_title(f"{'λ_max' if key == 'lambda_max' else 'trace'} of {title(operator)} restricted to each block"
                      + (" (* not converged)" if key == "lambda_max" and not block_grid(report, key)[3].all()
                         else ""), fontsize=9)
     fig.suptitle(f"{(report.get('provenance') or {}).get('arch') or '?'}, "
-                 f"N = {report.get('tokens', 0):,} tokens, blocks: {report.get('blocks', 'layer')}", fontsize=9)
+                 f"N = {report.get('tokens', 0):,} tokens, blocks: {report.get('blocks', 'layer')}; "
+                 f"in {CURVATURE}", fontsize=9)
     return save(fig, plots_dir, name)
 
 
