@@ -29,12 +29,8 @@ def _split(grid: str) -> tuple[str, list[str]]:
     return key, [v.strip() for v in raw.split(",") if v.strip()]
 
 
-def _num(v: str) -> float:
-    return float(v)
-
-
 def _same(a: list[str], b: list[str]) -> bool:
-    return sorted(map(_num, a)) == sorted(map(_num, b))
+    return sorted(map(float, a)) == sorted(map(float, b))
 
 
 def _stored(tune: Path) -> list[str] | None:
@@ -49,8 +45,8 @@ def ask(tune: Path, grid: str) -> str:
         return grid
     key, values = _split(grid)
     skey, svalues = _split(stored[0])
-    have = set(map(_num, svalues))
-    if skey == key and set(map(_num, values)) < have:
+    have = set(map(float, svalues))
+    if skey == key and set(map(float, values)) < have:
         return stored[0]
     return grid
 
@@ -75,20 +71,20 @@ def edge(tune: Path, grid: str) -> str:
     if skey != key or not _same(svalues, values) or len(selection.get("grid", [])) != 1 \
             or not _same(_split(selection["grid"][0])[1], values):
         return ""  # another key, extended already, or a selection of another grid
-    nums = sorted(map(_num, values))
+    nums = sorted(map(float, values))
     if len(nums) < 3 or nums[0] <= 0:
         return ""
     extra = []
     for arch in selection["archs"].values():
         if key not in arch.get("at_edge", []):
             continue
-        chosen = _num(arch["chosen"][key])
+        chosen = float(arch["chosen"][key])
         if chosen == nums[-1]:
             extra.append(nums[-1] * nums[-1] / nums[-2])
         elif chosen == nums[0]:
             extra.append(nums[0] * nums[0] / nums[1])
     new = [_fmt(x) for x in sorted(set(extra))]
-    new = [v for v in new if _num(v) not in set(nums)]
+    new = [v for v in new if float(v) not in set(nums)]
     return f"{key}={','.join(values + new)}" if new else ""
 
 

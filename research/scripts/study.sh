@@ -106,7 +106,8 @@ group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   local tune=$out/tune/$name stated=$grid more=
   if [ -n "$EDGE_RULE" ]; then grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated") || grid=$stated; fi
   sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
-  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ]; then  # a choice at the grid's edge: one more value, once
+  # a choice at the grid's edge: one more value, once (an extended study asks for its stored grid: nothing to do)
+  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ] && [ "$grid" = "$stated" ]; then
     # the selection of the study as it stands (a tuning sweep does not write it; the comparison's dry run does)
     $CEMTOOL sweep --tuned "$tune" --seeds "$seeds" --out "$out/$name" --dry-run > /dev/null 2>&1 || true
     more=$(python3 research/scripts/grid_edge.py edge "$tune" "$stated") || more=

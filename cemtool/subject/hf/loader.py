@@ -493,10 +493,11 @@ def load_foreign(source: str | Path, *, device: Any = "cpu", data: str | None = 
         home = Path("runs") / "hf" / re.sub(r"[^A-Za-z0-9_.@-]+", "--", spec[len("hf:"):])
         check_links(path, cache_repo=path.parents[1])  # <cache>/models--ORG--NAME/snapshots/<commit>
     else:
-        path, where = Path(spec), {"kind": "hf-dir", "path": str(Path(spec).resolve())}
+        path = Path(spec)
+        real = path.resolve()  # (".", a relative path or a link to a snapshot: where it really is)
+        where = {"kind": "hf-dir", "path": str(real)}
         if not path.is_dir():
             raise CemtoolError(f"{spec} is neither a cemtool run, a Hugging Face model directory nor an hf: id")
-        real = path.resolve()  # (".", a relative path or a link to a snapshot: where it really is)
         in_cache = real.parent.name == "snapshots" and real.parents[1].name.startswith("models--")
         check_links(path, cache_repo=real.parents[1] if in_cache else None)  # a snapshot passed as a directory
         # a snapshot of the hub's cache is the hub's, not the user's: its reports go where hf:ORG/NAME@COMMIT's go
