@@ -26,7 +26,9 @@ TABLE_INTRO = ("The grammar corpus, AdamW, each architecture at its tuned learni
                "\"Details\"):")
 DETAILS = "**Details** (means ± std over seeds, and the `cemtool compare` command of each row):"
 PART_TUNING = {"grammar-muon": "The Muon part (`train.muon_lr` for the blocks' matrices; AdamW at 3e-3 for the rest):",
-               "pydoc": "The pydoc part (Python's documentation, BPE 1,024):"}
+               "pydoc": "The pydoc part (Python's documentation, BPE 1,024):",
+               "stdlib": "The stdlib part (the standard library's source, BPE 1,024, >= 20 tokens per parameter; "
+                         "finished tuning studies):"}
 
 
 NOT_YET = "(No comparison of this part has finished yet.)"

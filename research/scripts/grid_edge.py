@@ -13,7 +13,8 @@ architecture's choice is the grid's smallest or largest value (``at_edge``) and 
 values (no extension yet), it prints GRID with one more value, the edge times the ratio of the edge to its
 neighbour (1.6e-2 -> 3.2e-2 on a factor-2 grid). It prints nothing where the choice is inside, the study or its
 selection is missing or of another grid, or the grid was already extended, so the rule fires at most once per
-group.
+stated grid. A grid stated anew (a hand refinement, as nesterov-zero's at stop 53) is a new GRID: a choice at its
+edge is extended once more, by the ratio of the new edge to its new neighbour.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class Test:
         """reproduced / opposite / unresolved for directional tests and correlations; equivalent / better / worse /
         unresolved for equivalence tests (after Holm)."""
         if self.est is None:
-            return "not run yet"
+            return "not run" if self.extra.get("not_run") else "not run yet"
         if self.identical():
             return "no test"
         if self.kind == "equivalence":
@@ -138,8 +138,9 @@ class Test:
         return f"{{:+.{sig - 1}e}}"
 
     def text(self, digits: int = 3) -> str:
-        if self.est is None:
-            return f"{self.name}: not run yet"
+        if self.est is None:  # a part's cut (findings.CUT) says why, where the test is not waiting for runs
+            return f"{self.name}: " + (f"not run ({self.extra['not_run']})" if self.extra.get("not_run") else
+                                       "not run yet")
         f = self.number_format(digits)
         if self.identical():
             return f"{self.name} {f.format(self.est)} (the arms equal run for run: no test" + \
@@ -535,13 +536,16 @@ def saturation_tests(F, root, part: str) -> list[Test]:
 
 WORDS = {"reproduced": "reproduced", "opposite": "the opposite is resolved", "unresolved": "not resolved",
          "equivalent": "equivalent within the margin", "better": "better, resolved",
-         "worse": "worse, resolved", "not run yet": "not run yet",
+         "worse": "worse, resolved", "not run yet": "not run yet", "not run": "not run",
          "no test": "no test (the arms equal run for run)"}
 
 
 def verdict(claim: str, tests: list[Test]) -> str:
     """The re-issued verdict of a claim from its tests' outcomes (the rules in this module's docstring)."""
     prim = [t for t in tests if t.primary]
+    cut = [t.extra["not_run"] for t in prim if t.est is None and t.extra.get("not_run")]
+    if cut:
+        return f"not run ({cut[0]})"
     if any(t.est is None for t in prim):
         return "not run yet"
     o = [t.outcome() for t in tests]
@@ -586,6 +590,20 @@ def verdict(claim: str, tests: list[Test]) -> str:
                                      if t.primary) + ")"
     return "not reproduced (" + "; ".join(f"{t.name}: {WORDS[x]}" for t, x in zip(tests, o, strict=True)
                                           if t.primary) + ")"
+
+
+def mark_cut(rows: list[dict], cut: dict[str, str]) -> list[dict]:
+    """Rows of claims a part leaves out by design (``cut``: claim -> why, findings.CUT): their tests that have no
+    estimate say "not run (why)" rather than "not run yet", and so does the verdict, so that a part in progress
+    tells what is waiting for runs from what will not be run."""
+    for r in rows:
+        why = cut.get(r["claim"])
+        if why:
+            for t in r["tests"]:
+                if t.est is None:
+                    t.extra["not_run"] = why
+            r["verdict"] = verdict(r["claim"], r["tests"])
+    return rows
 
 
 def rows_json(rows: list[dict]) -> list[dict]:
@@ -661,7 +679,8 @@ def regime(p, other: set[str] | tuple = ()) -> dict:
 
 
 def regime_markdown(rows: dict[str, dict]) -> list[str]:
-    md = ["### Each part's regime", "", "| part | runs | tokens per run | parameters | tokens per parameter | epochs | "
+    md = ["### Each part's regime", "", "The finished studies' runs (a study still running is not counted until it has "
+          "finished).", "", "| part | runs | tokens per run | parameters | tokens per parameter | epochs | "
           "where the measured models stand |", "|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         st = ", ".join(f"{n} {v}" for v, n in r["standing"].items()) or "–"

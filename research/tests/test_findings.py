@@ -324,3 +324,23 @@ def test_claims_4_to_8_wait_for_the_papers_whole_set():
     assert F.paper_set_missing(P(), "val_loss") == ["nesterov", "hb", "adam", "adamw"]
     assert F.claim4(P())["verdict"] == "not run yet"
     assert F._lower_than_vanilla(P(), "forgetting", "7.", "paper", 3)["verdict"] == "not run yet"
+
+
+def test_claim1_waits_for_the_baseline_of_cems_size_rather_than_naming_it():
+    """A part whose baseline of cem's size has not finished (stdlib at stop 52) says so: "worse than both
+    baselines" would name a comparison that did not run. Once it has run, the first rules decide as before."""
+    p = F.Part.__new__(F.Part)
+    p.root, p.name, p.lag1 = Path("/x"), "toy", {}
+
+    def runs(arch, study, base):
+        return [{"run": f"/x/{study}/{arch}-s{s}", "seed": s, "val_loss": base + 0.01 * s + 0.003 * (s % 2),
+                 "params": 1000} for s in range(5)]
+
+    p.groups = {("cem", "cem"): runs("cem", "cem", 3.2), ("core", "baseline"): runs("baseline", "core", 3.0)}
+    row = F.claim1(p)
+    assert row["verdict"].startswith("not run yet") and "baseline of cem's size has not run" in row["verdict"]
+    assert F.verdict_class(row["verdict"]) == "not run yet"
+    p.groups[("baseline-cem-size", "baseline")] = runs("baseline", "baseline-cem-size", 3.1)
+    assert F.claim1(p)["verdict"] == "not reproduced (worse than both baselines by more than the margin)"
+    p.groups[("baseline-cem-size", "baseline")] = runs("baseline", "baseline-cem-size", 3.3)
+    assert F.claim1(p)["verdict"].startswith("mixed")

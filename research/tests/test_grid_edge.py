@@ -61,6 +61,17 @@ def test_edge_follows_an_uneven_grids_own_spacing_at_its_edge(tmp_path):
     assert grid_edge.edge(study(tmp_path, six, "8e-3"), six) == six + ",1.6e-2"
 
 
+def test_a_grid_stated_anew_by_hand_is_a_new_grid_for_the_rule(tmp_path):
+    """nesterov-zero (stop 53): its study holds GRID + 3.2e-2 (the rule's extension); the refinement states
+    GRID + 3.2e-2 + the x sqrt 2 values, which ``ask`` passes on (it holds all the stored values), and a choice at its
+    top is extended once more, by the new top step (2.26e-2 -> 3.2e-2), and then no further."""
+    refined = GRID + ",3.2e-2,1.13e-2,2.26e-2"
+    assert grid_edge.ask(study(tmp_path, GRID + ",3.2e-2"), refined) == refined
+    assert grid_edge.edge(study(tmp_path, refined, "3.2e-2"), refined) == refined + ",4.53e-2"
+    assert grid_edge.edge(study(tmp_path, refined, "1.6e-2"), refined) == ""
+    assert grid_edge.edge(study(tmp_path, refined + ",4.53e-2", "4.53e-2"), refined) == ""  # extended already
+
+
 def test_edge_fires_once_and_never_on_a_stale_or_missing_selection(tmp_path):
     assert grid_edge.edge(study(tmp_path, GRID + ",3.2e-2", "3.2e-2"), GRID) == ""  # extended already
     stale = study(tmp_path, GRID, "4e-3", selected="train.lr=1e-3,2e-3,4e-3")  # at the edge of another grid
@@ -114,16 +125,17 @@ FAKE = textwrap.dedent('''\
 
 
 def test_study_sh_extends_an_edge_choice_once_and_a_rerun_asks_for_the_stored_grid(tmp_path):
-    """Lane 2 of the stdlib part twice with the stand-in: nesterov-zero and late-lowrank-75-6 choose their edge;
-    each is extended once (logged in study.log), the rerun asks for the stored grids and extends nothing more, and no
-    other group's grid changes. The wiring fails if the edge call is dropped, or if a rerun asks for the stated grid
-    (the stand-in then refuses, as the sweep does)."""
+    """Lane 2 of the stdlib part twice with the stand-in: tmm-zero and late-lowrank-75-6 choose their edge; each is
+    extended once (logged in study.log), the rerun asks for the stored grids and extends nothing more, and no other
+    group's grid changes; nesterov-zero, whose study holds the rule's extension, asks for its hand-refined grid (x√2
+    values, a third seed: stop 53). The wiring fails if the edge call is dropped, or if a rerun asks for the stated
+    grid (the stand-in then refuses, as the sweep does)."""
     fake = tmp_path / "cemtool"
     fake.write_text(FAKE)
     fake.chmod(0o755)
     log, out = tmp_path / "calls.jsonl", tmp_path / "out"
     env = {**os.environ, "CEMTOOL": str(fake), "FAKE_LOG": str(log), "STUDY_LANE": "2",
-           "EDGE_AT": "nesterov-zero,late-lowrank-75-6"}
+           "EDGE_AT": "tmm-zero,late-lowrank-75-6"}
 
     def lane2() -> list[list[str]]:
         log.write_text("")
@@ -139,20 +151,28 @@ def test_study_sh_extends_an_edge_choice_once_and_a_rerun_asks_for_the_stored_gr
     def selected(calls):  # the dry runs that write each tuning study's selection before the edge rule reads it
         return [Path(c[c.index("--tuned") + 1]).name for c in calls if "--dry-run" in c and "--tuned" in c]
 
+    nz = out / "stdlib" / "tune" / "nesterov-zero"  # where the real study stood at stop 53: the rule's extension
+    nz.mkdir(parents=True)
+    (nz / "study.json").write_text(json.dumps({"plan": {"grid": [GRID + ",3.2e-2"], "archs": ["nesterov"]}}))
     calls = lane2()
     first = tunings(calls)
-    assert {"nesterov-zero", "late-lowrank-75-6", "cem-rec2"} <= set(selected(calls))
-    assert ("nesterov-zero", GRID) in first and ("nesterov-zero", GRID + ",3.2e-2") in first
+    assert {"tmm-zero", "nesterov-zero", "late-lowrank-75-6", "cem-rec2"} <= set(selected(calls))
+    assert ("tmm-zero", GRID) in first and ("tmm-zero", GRID + ",3.2e-2") in first
+    refined = GRID + ",3.2e-2,1.13e-2,2.26e-2"  # nesterov-zero's: its choice is inside, so nothing is added
+    assert first.count(("nesterov-zero", refined)) == 1
+    assert [c[c.index("--seeds") + 1] for c in calls if "--grid" in c and c[c.index("--out") + 1].endswith(
+        "tune/nesterov-zero")] == ["100,101,102"]
     six = "train.lr=2e-3,4e-3,8e-3"
     assert first.count(("late-lowrank-75-6", six)) == 1 and ("late-lowrank-75-6", six + ",1.6e-2") in first
     per_group = Counter(name for name, _ in first)  # every other group: one tuning call, its stated grid
-    assert {name for name, k in per_group.items() if k > 1} == {"nesterov-zero", "late-lowrank-75-6"}
+    assert {name for name, k in per_group.items() if k > 1} == {"tmm-zero", "late-lowrank-75-6"}
     assert max(per_group.values()) == 2 and len(per_group) > 10  # (17 groups in lane 2 at stop 52)
     study_log = (out / "study.log").read_text()
     assert study_log.count(" edge  ") == 2 and "extended to " + GRID + ",3.2e-2" in study_log
 
     again = tunings(lane2())
-    assert ("nesterov-zero", GRID + ",3.2e-2") in again and ("nesterov-zero", GRID) not in again
+    assert ("tmm-zero", GRID + ",3.2e-2") in again and ("tmm-zero", GRID) not in again
+    assert ("nesterov-zero", refined) in again
     assert ("late-lowrank-75-6", six + ",1.6e-2") in again
     assert len(again) == len(set(again)) == len(set(n for n, _ in again))  # one call per group: nothing extended
     assert (out / "study.log").read_text().count(" edge  ") == 2

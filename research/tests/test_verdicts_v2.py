@@ -401,3 +401,26 @@ def test_stdlib_claim_9_reads_its_long_sweep_and_its_controls_apart(tmp_path, mo
     assert tests[0].p == pytest.approx(stats.ttest_1samp(fall, 0.0).pvalue, rel=1e-9)
     assert [t.primary for t in tests] == [True, True, False, False, False]
     assert tests[-1].est == pytest.approx(np.mean(fall_ctl), rel=1e-12)
+
+
+def test_a_claim_a_part_cuts_says_not_run_with_why_and_one_waiting_for_runs_says_not_run_yet(monkeypatch):
+    """findings.CUT (stdlib claim 13: depth 12 is out of the budget) turns the claim's missing tests and its verdict
+    into "not run (why)"; a claim of the same part whose runs are pending, and a cut claim that has an estimate
+    after all, keep their own words; the parts' agreement treats "not run" as no verdict, as "not run yet"."""
+    rows = [{"claim": "13", "tests": [V.Test("(lime − baseline) at 12 minus at 4", None)]},
+            {"claim": "11", "tests": [V.Test("lime − baseline", None)]},
+            {"claim": "2", "tests": [V.Test("rec2 − cem", -0.05, p=0.001, p_holm=0.004)]}]
+    for r in rows:
+        r["verdict"] = V.verdict(r["claim"], r["tests"])
+    assert [r["verdict"] for r in rows] == ["not run yet", "not run yet", "reproduced"]
+    V.mark_cut(rows, {"13": "depth 12 is cut", "2": "a cut that ran"})
+    assert rows[0]["verdict"] == "not run (depth 12 is cut)"
+    assert rows[0]["tests"][0].text() == "(lime − baseline) at 12 minus at 4: not run (depth 12 is cut)"
+    assert rows[0]["tests"][0].outcome() == "not run"
+    assert rows[1]["verdict"] == "not run yet" and rows[1]["tests"][0].text() == "lime − baseline: not run yet"
+    assert rows[2]["verdict"] == "reproduced"  # an estimate is read as usual
+    F = _findings(monkeypatch, [])
+    out = {"grammar": {"rows": [{"claim": "13. x", "verdict": "not reproduced (no difference resolved)"}]},
+           "stdlib": {"rows": [{"claim": "13. x", "verdict": "not run"}]}}
+    assert F.agreement(out)[0]["same"] is None and F.verdict_class("not run") == "not run"
+    assert "13" in F.CUT["stdlib"]
