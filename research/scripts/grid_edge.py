@@ -1,8 +1,10 @@
 """The study's edge rule for one-key numeric tuning grids (research/scripts/study.sh's stdlib part): a choice at
 the grid's edge gets one more value beyond it, once, at the grid's own spacing there.
 
-    python3 research/scripts/grid_edge.py ask TUNEDIR GRID    the --grid to run TUNEDIR's tuning study with
-    python3 research/scripts/grid_edge.py edge TUNEDIR GRID   the extended --grid, or nothing
+    python3 research/scripts/grid_edge.py ask TUNEDIR GRID     the --grid to run TUNEDIR's tuning study with
+    python3 research/scripts/grid_edge.py seeds TUNEDIR SEEDS  the --seeds to run it with
+    python3 research/scripts/grid_edge.py edge TUNEDIR GRID    the extended --grid, or nothing
+    python3 research/scripts/grid_edge.py refine TUNEDIR       the refined --grid and --seeds, or nothing
 
 GRID is the grid study.sh states (``train.lr=1e-3,2e-3,...``). ``ask`` prints the grid the tuning study already
 holds where that is GRID plus more values (the extension below, made in an earlier invocation), so a rerun asks
@@ -13,8 +15,17 @@ architecture's choice is the grid's smallest or largest value (``at_edge``) and 
 values (no extension yet), it prints GRID with one more value, the edge times the ratio of the edge to its
 neighbour (1.6e-2 -> 3.2e-2 on a factor-2 grid). It prints nothing where the choice is inside, the study or its
 selection is missing or of another grid, or the grid was already extended, so the rule fires at most once per
-stated grid. A grid stated anew (a hand refinement, as nesterov-zero's at stop 53) is a new GRID: a choice at its
-edge is extended once more, by the ratio of the new edge to its new neighbour.
+stated grid. A grid stated anew by hand is a new GRID: a choice at its edge is extended once more, by the ratio of
+the new edge to its new neighbour.
+
+The refinement rule (stop 53; the issue's "a x√2 grid with >= 3 tuning seeds wherever the grid shortfall exceeds
+0.01"): ``refine`` reads the selection as ``edge`` does, and where some architecture's choice lies inside the grid
+with a shortfall above ``SHORTFALL`` nats (the log-parabola through the choice and its neighbours, docs/sweep.md) and
+a neighbour of the choice is more than a factor √2 away, it prints the stored grid plus the x√2 values beside the
+choice on those sides (3 significant figures) and the stored tuning seeds plus the next one, up to three. A grid
+whose neighbours are already x√2 from the choice is not refined again, whatever its shortfall, so the rule fires at
+most once per choice. ``seeds`` prints the study's stored seeds where they hold SEEDS and more (a refined study, so
+that a rerun asks for what is stored), otherwise SEEDS.
 """
 
 from __future__ import annotations
@@ -89,11 +100,64 @@ def edge(tune: Path, grid: str) -> str:
     return f"{key}={','.join(values + new)}" if new else ""
 
 
+SHORTFALL = 0.01  # nats: the refinement's threshold
+STEP = math.sqrt(2)
+
+
+def _stored_seeds(tune: Path) -> list[int] | None:
+    f = tune / "study.json"
+    return [int(x) for x in json.loads(f.read_text(encoding="utf-8"))["plan"]["seeds"]] if f.is_file() else None
+
+
+def seeds(tune: Path, stated: str) -> str:
+    have, want = _stored_seeds(tune), [int(x) for x in stated.split(",") if x.strip()]
+    if have and set(want) < set(have):
+        return ",".join(map(str, have))
+    return stated
+
+
+def refine(tune: Path) -> str:
+    """``GRID SEEDS`` (one space between) for the refinement, or nothing (the module's docstring)."""
+    stored, have = _stored(tune), _stored_seeds(tune)
+    sel = tune / "selection.json"
+    if not stored or len(stored) != 1 or not have or not sel.is_file():
+        return ""
+    key, values = _split(stored[0])
+    selection = json.loads(sel.read_text(encoding="utf-8"))
+    if len(selection.get("grid", [])) != 1 or not _same(_split(selection["grid"][0])[1], values) \
+            or sorted(selection.get("tuning_seeds", [])) != sorted(have):
+        return ""  # a selection of another grid or other seeds: not this study as it stands
+    nums = sorted(map(float, values))
+    if len(nums) < 3 or nums[0] <= 0:
+        return ""
+    extra = []
+    for arch in selection["archs"].values():
+        gain = ((arch.get("shortfall") or {}).get(key) or {}).get("gain")
+        if key in arch.get("at_edge", []) or gain is None or gain <= SHORTFALL:
+            continue
+        c = float(arch["chosen"][key])
+        i = nums.index(c)
+        if i > 0 and c / nums[i - 1] > STEP * 1.02:
+            extra.append(c / STEP)
+        if i < len(nums) - 1 and nums[i + 1] / c > STEP * 1.02:
+            extra.append(c * STEP)
+    new = [v for v in dict.fromkeys(_fmt(x) for x in sorted(extra)) if float(v) not in set(nums)]
+    if not new:
+        return ""
+    more = have + ([max(have) + 1] if len(have) < 3 else [])
+    return f"{key}={','.join(values + new)} {','.join(map(str, more))}"
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3 or argv[0] not in ("ask", "edge"):
-        print("usage: grid_edge.py ask|edge TUNEDIR GRID", file=sys.stderr)
+    if argv[:1] == ["refine"] and len(argv) == 2:
+        out = refine(Path(argv[1]))
+        if out:
+            print(out)
+        return 0
+    if len(argv) != 3 or argv[0] not in ("ask", "seeds", "edge"):
+        print("usage: grid_edge.py ask|edge TUNEDIR GRID | seeds TUNEDIR SEEDS | refine TUNEDIR", file=sys.stderr)
         return 2
-    out = (ask if argv[0] == "ask" else edge)(Path(argv[1]), argv[2])
+    out = {"ask": ask, "seeds": seeds, "edge": edge}[argv[0]](Path(argv[1]), argv[2])
     if out:
         print(out)
     return 0

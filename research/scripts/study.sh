@@ -103,17 +103,37 @@ six() {  # six ARGS...: a group (below) at 6 layers: the part's SIX in place of 
 # a group: tune its architectures, then compare them on the comparison seeds
 group() {  # group OUTDIR NAME ARCHS "ANALYSES" SEEDS GRID [--set ...]
   local out=$1 name=$2 archs=$3 analyses=$4 seeds=$5 grid=$6; shift 6
-  local tune=$out/tune/$name stated=$grid more=
-  if [ -n "$EDGE_RULE" ]; then grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated") || grid=$stated; fi
-  sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$grid" "${COMMON[@]}" "$@"
-  # a choice at the grid's edge: one more value, once (an extended study asks for its stored grid: nothing to do)
-  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ] && [ "$grid" = "$stated" ]; then
-    # the selection of the study as it stands (a tuning sweep does not write it; the comparison's dry run does)
+  local tune=$out/tune/$name stated=$grid more= tseeds=$TUNE_SEEDS
+  if [ -n "$EDGE_RULE" ]; then  # a study the rules extended asks for its stored grid and seeds
+    grid=$(python3 research/scripts/grid_edge.py ask "$tune" "$stated") || grid=$stated
+    tseeds=$(python3 research/scripts/grid_edge.py seeds "$tune" "$TUNE_SEEDS") || tseeds=$TUNE_SEEDS
+  fi
+  sweep "$tune" --archs "$archs" --seeds "$tseeds" --grid "$grid" "${COMMON[@]}" "$@"
+  # the selection of the study as it stands (a tuning sweep does not write it; the comparison's dry run does)
+  select_now() {
     $CEMTOOL sweep --tuned "$tune" --seeds "$seeds" --out "$out/$name" --dry-run > /dev/null 2>&1 || true
+  }
+  # a choice at the grid's edge: one more value, once (an extended study asks for its stored grid: nothing to do)
+  local fresh=  # whether the selection on disk is of the study as it stands now
+  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ] && [ "$grid" = "$stated" ]; then
+    select_now; fresh=1
     more=$(python3 research/scripts/grid_edge.py edge "$tune" "$stated") || more=
     if [ -n "$more" ]; then
       echo "$(date -u +%FT%TZ) edge  $tune: a choice at the grid's edge, extended to $more" >> "$OUT/study.log"
-      sweep "$tune" --archs "$archs" --seeds "$TUNE_SEEDS" --grid "$more" "${COMMON[@]}" "$@"
+      grid=$more fresh=
+      sweep "$tune" --archs "$archs" --seeds "$tseeds" --grid "$grid" "${COMMON[@]}" "$@"
+    fi
+  fi
+  # a choice inside the grid with a shortfall above 0.01 nats and a neighbour more than x√2 away: the x√2 values
+  # beside it and a third tuning seed, once (stop 53; grid_edge.py refine); a refined study's neighbours are x√2
+  # away, so a rerun reads its selection and finds nothing to do
+  if [ -n "$EDGE_RULE" ] && [ ${#DRY[@]} = 0 ]; then
+    [ -n "$fresh" ] || select_now
+    more=$(python3 research/scripts/grid_edge.py refine "$tune") || more=
+    if [ -n "$more" ]; then
+      echo "$(date -u +%FT%TZ) refine $tune: a shortfall above 0.01 nats, refined to ${more% *} on seeds ${more#* }" \
+        >> "$OUT/study.log"
+      sweep "$tune" --archs "$archs" --seeds "${more#* }" --grid "${more% *}" "${COMMON[@]}" "$@"
     fi
   fi
   local an=(); [ -n "$analyses" ] && an=(--analyses "$analyses")
@@ -303,14 +323,11 @@ stdlib() {
     group "$o" baseline baseline sharpness,forgetting,collapse $S "$grid"
     saturation_controls "$o"
     TUNE_SEEDS=$TUNE_SEEDS,102 group "$o" baseline-wide baseline sharpness,forgetting $S "$fine" "${WIDE[@]}"
-    for a in tmm hb; do
+    # (nesterov-zero chose 1.6e-2, the edge: the edge rule added 3.2e-2, which lost; the shortfall on that grid is
+    # 0.017, so the refinement rule adds 1.13e-2, 2.26e-2 and a third tuning seed: stop 53)
+    for a in tmm hb nesterov; do
       group "$o" "$a-zero" "$a" sharpness,forgetting $S "$grid" "${ZERO[@]}"
     done
-    # nesterov-zero chose 1.6e-2, the grid's edge; the edge rule added 3.2e-2 (stop 52), which lost, and on that grid
-    # the shortfall is 0.017 (vertex 1.2e-2), above the refinement's 0.01: the x√2 values beside the choice and a
-    # third tuning seed, as baseline-wide and lime-router-abs got (stop 53)
-    TUNE_SEEDS=$TUNE_SEEDS,102 group "$o" nesterov-zero nesterov sharpness,forgetting $S \
-      "$grid,3.2e-2,1.13e-2,2.26e-2" "${ZERO[@]}"
     for s in early-heavy late-lowrank; do
       group "$o" "$s" baseline "" $S "$grid" --set model.alloc_strategy=$s
     done
