@@ -32,6 +32,9 @@ What changed against the first rules (research/scripts/findings.py):
   family and the verdict, and the degenerate test is shown as a second reading; where it has none, the degenerate
   test stays in the verdict as the part of the claim that went untested (never counted as reproduced). Fixed after
   the lag-1 reading was known (stdlib +0.0003 [-0.019, +0.020], not resolved); it changes no verdict's outcome.
+- **"Not run yet" and "not run (why)"** (stop 53): a test without an estimate waits for its groups ("not run yet"),
+  unless its part leaves the claim out by design (findings.CUT, :func:`mark_cut`: stdlib's claim 13, depth 12 being
+  out of its budget), where the test and the verdict say "not run" and why. A wording change: no outcome changes.
 """
 
 from __future__ import annotations
