@@ -45,10 +45,32 @@ def _same(a: list[str], b: list[str]) -> bool:
     return sorted(map(float, a)) == sorted(map(float, b))
 
 
-def _stored(tune: Path) -> list[str] | None:
-    """The tuning study's stored --grid (one string per key), or None before it exists."""
+def _plan(tune: Path) -> dict | None:
+    """The tuning study's stored plan (its --grid, one string per key, and its --seeds), or None before it exists."""
     f = tune / "study.json"
-    return json.loads(f.read_text(encoding="utf-8"))["plan"]["grid"] if f.is_file() else None
+    return json.loads(f.read_text(encoding="utf-8"))["plan"] if f.is_file() else None
+
+
+def _stored(tune: Path) -> list[str] | None:
+    plan = _plan(tune)
+    return plan["grid"] if plan else None
+
+
+def _current(tune: Path, plan: dict | None) -> tuple[str, list[str], list[float], dict] | None:
+    """(key, values, sorted numbers, selection) where ``plan`` is a one-key grid of >= 3 positive values and the
+    study's selection.json is of that grid; None otherwise (no study, no selection, a selection of another grid).
+    The rules' common reading of a tuning study as it stands."""
+    sel = tune / "selection.json"
+    if not plan or len(plan["grid"]) != 1 or not sel.is_file():
+        return None
+    key, values = _split(plan["grid"][0])
+    selection = json.loads(sel.read_text(encoding="utf-8"))
+    if len(selection.get("grid", [])) != 1 or not _same(_split(selection["grid"][0])[1], values):
+        return None
+    nums = sorted(map(float, values))
+    if len(nums) < 3 or nums[0] <= 0:
+        return None
+    return key, values, nums, selection
 
 
 def ask(tune: Path, grid: str) -> str:
@@ -73,19 +95,11 @@ def _fmt(x: float) -> str:
 
 
 def edge(tune: Path, grid: str) -> str:
-    stored = _stored(tune)
-    sel = tune / "selection.json"
-    if not stored or len(stored) != 1 or not sel.is_file():
-        return ""
+    cur = _current(tune, _plan(tune))
     key, values = _split(grid)
-    skey, svalues = _split(stored[0])
-    selection = json.loads(sel.read_text(encoding="utf-8"))
-    if skey != key or not _same(svalues, values) or len(selection.get("grid", [])) != 1 \
-            or not _same(_split(selection["grid"][0])[1], values):
-        return ""  # another key, extended already, or a selection of another grid
-    nums = sorted(map(float, values))
-    if len(nums) < 3 or nums[0] <= 0:
-        return ""
+    if cur is None or cur[0] != key or not _same(cur[1], values):
+        return ""  # no current selection, another key, or extended already
+    nums, selection = cur[2], cur[3]
     extra = []
     for arch in selection["archs"].values():
         if key not in arch.get("at_edge", []):
@@ -104,13 +118,12 @@ SHORTFALL = 0.01  # nats: the refinement's threshold
 STEP = math.sqrt(2)
 
 
-def _stored_seeds(tune: Path) -> list[int] | None:
-    f = tune / "study.json"
-    return [int(x) for x in json.loads(f.read_text(encoding="utf-8"))["plan"]["seeds"]] if f.is_file() else None
+def _seeds_of(plan: dict | None) -> list[int] | None:
+    return [int(x) for x in plan["seeds"]] if plan else None
 
 
 def seeds(tune: Path, stated: str) -> str:
-    have, want = _stored_seeds(tune), [int(x) for x in stated.split(",") if x.strip()]
+    have, want = _seeds_of(_plan(tune)), [int(x) for x in stated.split(",") if x.strip()]
     if have and set(want) < set(have):
         return ",".join(map(str, have))
     return stated
@@ -118,18 +131,11 @@ def seeds(tune: Path, stated: str) -> str:
 
 def refine(tune: Path) -> str:
     """``GRID SEEDS`` (one space between) for the refinement, or nothing (the module's docstring)."""
-    stored, have = _stored(tune), _stored_seeds(tune)
-    sel = tune / "selection.json"
-    if not stored or len(stored) != 1 or not have or not sel.is_file():
-        return ""
-    key, values = _split(stored[0])
-    selection = json.loads(sel.read_text(encoding="utf-8"))
-    if len(selection.get("grid", [])) != 1 or not _same(_split(selection["grid"][0])[1], values) \
-            or sorted(selection.get("tuning_seeds", [])) != sorted(have):
-        return ""  # a selection of another grid or other seeds: not this study as it stands
-    nums = sorted(map(float, values))
-    if len(nums) < 3 or nums[0] <= 0:
-        return ""
+    plan = _plan(tune)
+    cur, have = _current(tune, plan), _seeds_of(plan)
+    if cur is None or not have or sorted(cur[3].get("tuning_seeds", [])) != sorted(have):
+        return ""  # no current selection, or one of other seeds: not this study as it stands
+    key, values, nums, selection = cur
     extra = []
     for arch in selection["archs"].values():
         gain = ((arch.get("shortfall") or {}).get(key) or {}).get("gain")
