@@ -51,11 +51,6 @@ def _plan(tune: Path) -> dict | None:
     return json.loads(f.read_text(encoding="utf-8"))["plan"] if f.is_file() else None
 
 
-def _stored(tune: Path) -> list[str] | None:
-    plan = _plan(tune)
-    return plan["grid"] if plan else None
-
-
 def _current(tune: Path, plan: dict | None) -> tuple[str, list[str], list[float], dict] | None:
     """(key, values, sorted numbers, selection) where ``plan`` is a one-key grid of >= 3 positive values and the
     study's selection.json is of that grid; None otherwise (no study, no selection, a selection of another grid).
@@ -74,7 +69,8 @@ def _current(tune: Path, plan: dict | None) -> tuple[str, list[str], list[float]
 
 
 def ask(tune: Path, grid: str) -> str:
-    stored = _stored(tune)
+    plan = _plan(tune)
+    stored = plan["grid"] if plan else None
     if not stored or len(stored) != 1:
         return grid
     key, values = _split(grid)
@@ -96,10 +92,12 @@ def _fmt(x: float) -> str:
 
 def edge(tune: Path, grid: str) -> str:
     cur = _current(tune, _plan(tune))
+    if cur is None:
+        return ""  # no current selection
+    skey, svalues, nums, selection = cur
     key, values = _split(grid)
-    if cur is None or cur[0] != key or not _same(cur[1], values):
-        return ""  # no current selection, another key, or extended already
-    nums, selection = cur[2], cur[3]
+    if skey != key or not _same(svalues, values):
+        return ""  # another key, or extended already
     extra = []
     for arch in selection["archs"].values():
         if key not in arch.get("at_edge", []):
@@ -133,9 +131,11 @@ def refine(tune: Path) -> str:
     """``GRID SEEDS`` (one space between) for the refinement, or nothing (the module's docstring)."""
     plan = _plan(tune)
     cur, have = _current(tune, plan), _seeds_of(plan)
-    if cur is None or not have or sorted(cur[3].get("tuning_seeds", [])) != sorted(have):
-        return ""  # no current selection, or one of other seeds: not this study as it stands
+    if cur is None or not have:
+        return ""  # no current selection
     key, values, nums, selection = cur
+    if sorted(selection.get("tuning_seeds", [])) != sorted(have):
+        return ""  # a selection of other seeds: not this study as it stands
     extra = []
     for arch in selection["archs"].values():
         gain = ((arch.get("shortfall") or {}).get(key) or {}).get("gain")
