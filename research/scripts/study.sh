@@ -314,6 +314,9 @@ stdlib() {
       --set data.seq_len=128 --set train.batch_size=16 --set train.lr=4e-3
     six "$o" uniform-6 baseline "" $S "$grid6"  # claim 10 at 6 layers (the other two: lane 2)
     six "$o" early-heavy-6 baseline "" $S "$grid6" --set model.alloc_strategy=early-heavy
+    # claim 11's baseline: the baseline's tuned lr, trained to at least LIMe's training FLOPs (moved here from
+    # lane 2 at stop 55 to balance the lanes: lane 2 had about 2 lane-hours more left)
+    sweep "$o/baseline-lime-flops" --tuned "$o/tune/baseline" --archs baseline --seeds $S --tokens "$FLOP_TOKENS"
     for a in cem-dplr cem-full; do  # CEM's refinements (claim 3), here to balance the lanes
       group "$o" "$a" "$a" "" $S "$grid"
     done
@@ -343,8 +346,6 @@ stdlib() {
     TUNE_SEEDS=$TUNE_SEEDS,102 group "$o" lime-router-abs lime collapse $S "$fine" \
       --set model.lime.router_lr=0.01  # the reference code's lr
     group "$o" lime-frozen lime collapse $S "$grid" --set model.lime.freeze_router=true  # a random router, frozen
-    # claim 11's baseline: the baseline's tuned lr, trained to at least LIMe's training FLOPs
-    sweep "$o/baseline-lime-flops" --tuned "$o/tune/baseline" --archs baseline --seeds $S --tokens "$FLOP_TOKENS"
     # value entropy and separability at initialisation: one step at lr 0 leaves the weights as initialised
     sweep "$o/init" --archs baseline,lime --seeds $S --tokens 2048 --data stdlib --set data.tokenizer=bpe \
       --set data.bpe_vocab_size=1024 --set model.d_model=64 --set model.n_layer=4 --set model.n_head=4 \
@@ -356,15 +357,18 @@ stdlib() {
   ) &
   lane 2 && l2=$!
   wait $l1 $l2
-  if lane 2; then context_probe "$o"; fi  # after lane 2 (the longer); a lane-1-only invocation leaves it to lane 2's
+  # after the lanes this invocation ran: with the lanes as two processes (STUDY_LANE=1 and 2), the one that ends
+  # last probes every run (a run still training is skipped, so the earlier one leaves it to the later)
+  context_probe "$o"
 }
 
 context_probe() {  # context_probe PARTDIR: the lag-1 probe (collapse-report --lag 1) of every comparison run, as a
-  # second collapse report (--name collapse-lag1) beside the first; 3 s a run, rerun in full each time
+  # second collapse report (--name collapse-lag1) beside the first; 3 s a run, rerun in full each time, finished
+  # runs only (meta.json's status; a run the other lane is still training is left for that lane's probe)
   local o=$1 run
   if [ ${#DRY[@]} -gt 0 ]; then echo "== context probe (collapse-report --lag 1) of every comparison run"; return 0; fi
   for run in "$o"/*/*-s[0-9]; do
-    [ -f "$run/meta.json" ] || continue
+    grep -qs '"status": "completed"' "$run/meta.json" || continue
     $CEMTOOL collapse-report "$run" --lag 1 --name collapse-lag1 --no-plots --quiet > /dev/null 2>> "$o/context-probe.log" \
       || echo "context probe failed: $run" >> "$o/context-probe.log"
   done

@@ -236,3 +236,29 @@ def test_study_sh_extends_an_edge_choice_and_refines_a_shortfall_once_and_a_reru
     assert len(again) == len(set(again)) == len(set(n for n, _, _ in again))  # one call per group: nothing more
     log_again = (out / "study.log").read_text()
     assert log_again.count(" edge  ") == 2 and log_again.count(" refine ") == 2
+
+
+@pytest.mark.parametrize("lane", ["1", "2"])
+def test_either_lane_ends_with_the_context_probe_of_the_finished_runs_only(tmp_path, lane):
+    """With the lanes as two processes, whichever ends last probes every run, so each lane's invocation ends with
+    the lag-1 probe (collapse-report --lag 1), and it skips a run the other lane is still training (meta.json's
+    status), which that lane's own probe covers. Fails if only lane 2 probes, or if a running run is probed."""
+    fake = tmp_path / "cemtool"
+    fake.write_text(FAKE)
+    fake.chmod(0o755)
+    log, out = tmp_path / "calls.jsonl", tmp_path / "out"
+    runs = {"completed": out / "stdlib" / "late-lowrank-6" / "baseline-s0",
+            "running": out / "stdlib" / "uniform-6" / "baseline-s1"}
+    for status, run in runs.items():
+        run.mkdir(parents=True)
+        (run / "meta.json").write_text(json.dumps({"schema_version": 1, "status": status}, indent=2))
+    log.write_text("")
+    env = {**os.environ, "CEMTOOL": str(fake), "FAKE_LOG": str(log), "STUDY_LANE": lane}
+    res = subprocess.run(["bash", "research/scripts/study.sh", "stdlib", str(out)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    probed = [c[1] for c in calls if c[0] == "collapse-report"]
+    assert probed == [str(runs["completed"])]
+    assert [c for c in calls if c[0] == "collapse-report"][0][2:] == ["--lag", "1", "--name", "collapse-lag1",
+                                                                      "--no-plots", "--quiet"]
