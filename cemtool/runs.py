@@ -230,31 +230,43 @@ class Run:
 
     def mark_resumed(self, device: str, **changes: Any) -> dict:
         """Status running and one more resume: called once the checkpoint has loaded, so that a resume that fails
-        leaves meta.json as it was."""
-        return self.update_meta(status="running", resumed=self.meta().get("resumed", 0) + 1, device=device,
-                                **changes)
+        leaves meta.json as it was. A session left open by a process killed with -9 (``open_session``, as of its
+        newest checkpoint: :meth:`record_progress`) joins ``sessions`` now, marked ``killed``."""
+        meta = _with_killed_session(self.meta())
+        meta.update(status="running", resumed=meta.get("resumed", 0) + 1, device=device, **changes)
+        self._write_meta(meta)
+        return meta
+
+    def record_progress(self, session: dict, **changes: Any) -> None:
+        """The running session as of a step checkpoint, as meta.json's ``open_session`` (``ended``: now). A process
+        killed with -9 never reaches :meth:`end_session`; the next one to train the run counts the killed session's
+        training up to its newest checkpoint (the steps after it are trained again, and counted then)."""
+        self.update_meta(open_session={**session, "ended": now()}, **changes)
 
     def end_session(self, session: dict, status: str, best_effort: bool = False, **changes: Any) -> None:
         """Record the end of one process's training of this run: ``session`` (its ``started``, ``from_step``,
         ``to_step``, ``seconds`` and ``device``) is appended to meta.json's ``sessions`` with its ``ended`` time,
         and ``train_seconds`` becomes the sum over the run's sessions, so a resumed run counts every session's
-        training, not only its last. A run written before sessions were recorded keeps what it knew of its earlier
-        training as one session with unknown start and steps. ``best_effort``: a failure to write is ignored (a
-        failing run must not hide its own error behind a full disk)."""
+        training, not only its last (a killed one up to its newest checkpoint). A run written before sessions were
+        recorded keeps what it knew of its earlier training as one session with unknown start and steps.
+        ``best_effort``: a failure to write is ignored (a failing run must not hide its own error behind a full
+        disk)."""
         try:
             meta = self.meta()
-            sessions = meta.get("sessions")
-            if not isinstance(sessions, list):
-                sessions = [] if meta.get("train_seconds") is None else [
-                    {"started": None, "ended": meta.get("ended"), "from_step": None, "to_step": None,
-                     "seconds": meta["train_seconds"], "device": meta.get("device")}]
-            sessions = [*sessions, {**session, "ended": now()}]
-            total = sum(s.get("seconds") or 0.0 for s in sessions)
-            self.update_meta(status=status, ended=sessions[-1]["ended"], sessions=sessions, train_seconds=total,
-                             **changes)
+            if (meta.get("open_session") or {}).get("started") == session.get("started"):
+                del meta["open_session"]  # this process's own progress record: the session below replaces it
+            meta = _with_killed_session(meta)
+            sessions = [*meta["sessions"], {**session, "ended": now()}]
+            meta.update(status=status, ended=sessions[-1]["ended"], sessions=sessions,
+                        train_seconds=_seconds(sessions), **changes)
+            self._write_meta(meta)
         except (CemtoolError, OSError):
             if not best_effort:
                 raise
+
+    def _write_meta(self, meta: dict) -> None:
+        self.check_same()
+        atomic_write_json(self.path / "meta.json", meta)
 
     def metrics(self, skipped: list[str] | None = None) -> list[dict]:
         return read_jsonl(self.path / "metrics.jsonl", skipped)
@@ -503,3 +515,26 @@ def run_kind(meta: dict) -> str:
 def data_name(source: str) -> str:
     """A data source as a short column: a built-in name as it is, a path as its last part."""
     return (Path(source).name or source) if "/" in source else source
+
+
+def _seconds(sessions: list[dict]) -> float:
+    return sum(s.get("seconds") or 0.0 for s in sessions)
+
+
+def _with_killed_session(meta: dict) -> dict:
+    """``meta`` with its ``sessions`` a list (a run written before sessions were recorded: its last known training
+    as one session of unknown start and steps) and a left-open session (a process killed with -9) moved into it,
+    marked ``killed``; ``train_seconds`` their sum. A copy: ``meta`` itself is not changed."""
+    meta = dict(meta)
+    sessions = meta.get("sessions")
+    if not isinstance(sessions, list):
+        sessions = [] if meta.get("train_seconds") is None else [
+            {"started": None, "ended": meta.get("ended"), "from_step": None, "to_step": None,
+             "seconds": meta["train_seconds"], "device": meta.get("device")}]
+    killed = meta.pop("open_session", None)
+    if isinstance(killed, dict):
+        sessions = [*sessions, {**killed, "killed": True}]
+    meta["sessions"] = sessions
+    if sessions:
+        meta["train_seconds"] = _seconds(sessions)
+    return meta

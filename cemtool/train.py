@@ -327,7 +327,7 @@ def train(cfg: RunConfig, corpus: Corpus, run: Run | None, *, device: str | torc
         x, y = windows(corpus.train, batch_starts(corpus, T, tc.batch_size, cfg.seed, step, 0), T)
         check_weights(model, opt, x.to(dev), y.to(dev), step, tc.precision)
         if writer is not None:
-            _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints,
+            _checkpoint(writer, model, opt, step, tokens_seen, tc.keep_checkpoints, session(),
                         extra=tracker.state() if tracker is not None else None)
             _emit(callback, kind="checkpoint", step=step)
 
@@ -508,12 +508,15 @@ def _now() -> str:
     return now()
 
 
-def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, extra: dict | None = None) -> None:
+def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, session: dict,
+                extra: dict | None = None) -> None:
+    """A step checkpoint (the newest ``keep`` are kept), and the session's progress up to it in meta.json, which a
+    process killed with -9 leaves for the next one to count (Run.record_progress)."""
     save_checkpoint(run, f"step_{step:06d}", model, step=step, optimizer=opt, state={"tokens": tokens}, extra=extra)
     old = step_checkpoints(run)[:-keep]
     for p in old:
         p.unlink(missing_ok=True)
-    run.update_meta(step=step, last_checkpoint=f"step_{step:06d}")
+    run.record_progress(session, step=step, last_checkpoint=f"step_{step:06d}")
 
 
 def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None,

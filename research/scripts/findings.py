@@ -718,14 +718,29 @@ def training_spans(meta: dict) -> list[tuple[float, float]]:
     return [(t0, t1)] if t0 is not None and t1 is not None else []
 
 
+def unrecorded_training(meta: dict) -> tuple[int, float]:
+    """The steps a run trained before its first recorded session, and their seconds at the run's own recorded rate:
+    a process killed with -9 before cemtool recorded a session's progress at its checkpoints (meta.json
+    ``open_session``) left no session, so its training is missing from ``train_seconds``; the next session starts
+    at that process's last checkpoint. (0, 0.0) when the sessions start at step 0 or their steps are unknown."""
+    sessions = meta.get("sessions")
+    if not isinstance(sessions, list) or not sessions or not isinstance(sessions[0].get("from_step"), int):
+        return 0, 0.0
+    first = sessions[0]["from_step"]
+    steps = sum(s["to_step"] - s["from_step"] for s in sessions
+                if isinstance(s.get("from_step"), int) and isinstance(s.get("to_step"), int))
+    seconds = sum(s.get("seconds") or 0.0 for s in sessions)
+    return (first, first * seconds / steps) if first > 0 and steps > 0 else (first, 0.0)
+
+
 def compute_time(part_dir: Path) -> dict:
     """What the part's finished items cost, from the studies' own records: training and analysis seconds (each
     measured by the process that did it), where they ran (python and torch versions, host, device), and the wall
     time per host: the union of the intervals in which one of the part's processes was training (meta.json's
     started..ended) or analysing (a report's creation time minus its measured seconds), so time between sessions
     and the lanes' overlap are not counted (:func:`training_spans`)."""
-    train = analyses = 0.0
-    items, untimed, machines, spans = 0, 0, {}, {}
+    train = analyses = lost_seconds = 0.0
+    items, untimed, machines, spans, lost_runs, lost_steps = 0, 0, {}, {}, 0, 0
     for sj in sorted(part_dir.rglob("study.json")):
         for it in json.loads(sj.read_text())["items"]:
             if it.get("status") != "completed" or any(a.get("status") != "completed"
@@ -740,6 +755,8 @@ def compute_time(part_dir: Path) -> dict:
                 meta = json.loads((sj.parent / it["run"] / "meta.json").read_text())
             except (OSError, ValueError):
                 continue
+            steps, seconds = unrecorded_training(meta)
+            lost_runs, lost_steps, lost_seconds = lost_runs + (steps > 0), lost_steps + steps, lost_seconds + seconds
             v = meta.get("versions") or {}
             key = f"python {v.get('python', '?')}, torch {v.get('torch', '?')}, {meta.get('device', '?')}"
             machines[key] = machines.get(key, 0) + 1
@@ -754,6 +771,7 @@ def compute_time(part_dir: Path) -> dict:
                 if t1 is not None and a.get("seconds") is not None:
                     host.append((t1 - a["seconds"], t1))
     return {"items": items, "untimed": untimed, "train_hours": train / 3600, "analysis_hours": analyses / 3600,
+            "unrecorded": {"runs": lost_runs, "steps": lost_steps, "hours_estimate": lost_seconds / 3600},
             "machines": machines, "wall_hours": {h: union_hours(sp) for h, sp in spans.items() if sp}}
 
 
@@ -762,6 +780,12 @@ def compute_markdown(c: dict) -> list[str]:
         return []
     where = "; ".join(f"{k}: {n}" for k, n in sorted(c["machines"].items(), key=lambda kv: -kv[1]))
     missing = f"; {c['untimed']} run(s) have no recorded time for their training or an analysis" if c["untimed"] else ""
+    lost = c.get("unrecorded") or {}
+    if lost.get("runs"):
+        missing += (f"; not in these sums: {lost['runs']} run(s)' training before their first recorded session "
+                    f"({lost['steps']:,} steps, about {lost['hours_estimate']:.1f} h at each run's own recorded "
+                    f"rate), nor in the wall time below: processes killed with -9 before sessions were recorded at "
+                    f"checkpoints")
     return [f"Compute: {c['items']} finished runs, {c['train_hours']:.1f} h of training and "
             f"{c['analysis_hours']:.1f} h of analyses (one torch thread each; sums of the times each process "
             f"measured{missing}). Runs by machine: {where}.{wall_markdown(c.get('wall_hours') or {})}", ""]

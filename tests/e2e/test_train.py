@@ -93,9 +93,12 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
                              "--quiet", *sets(extra)], env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
-    while not list((killed / "checkpoints").glob("step_*.safetensors")) and time.time() < deadline:
-        if proc.poll() is not None:
-            break
+
+    def progress_recorded() -> bool:  # the first step checkpoint and its session's progress in meta.json
+        meta = killed / "meta.json"
+        return meta.exists() and "open_session" in meta.read_text()
+
+    while not progress_recorded() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -110,6 +113,12 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
     assert losses(ref) == losses(killed)
     meta = json.loads((killed / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["resumed"] == 1
+    # the killed process's training up to its checkpoint is counted: a session marked killed, then the resumed one
+    dead, resumed = meta["sessions"]
+    assert dead["killed"] and dead["from_step"] == 0 and dead["to_step"] == resumed["from_step"] > 0
+    assert dead["to_step"] % 20 == 0 and dead["seconds"] > 0 and dead["started"] <= dead["ended"] <= resumed["started"]
+    assert "killed" not in resumed and resumed["to_step"] == 120 and "open_session" not in meta
+    assert meta["train_seconds"] == pytest.approx(dead["seconds"] + resumed["seconds"], rel=1e-12)
     # resuming a completed run is refused, and leaves it as it was
     again = CliRunner().invoke(app, ["train", "--resume", str(killed), "--quiet"])
     assert again.exit_code == 1 and "already completed" in again.output
@@ -278,6 +287,7 @@ def test_every_session_of_a_resumed_run_is_recorded(tmp_path, text_file):
     [first] = meta["sessions"]
     assert (first["from_step"], first["to_step"], first["device"]) == (0, 7, "cpu")
     assert meta["train_seconds"] == first["seconds"] > 0 and meta["ended"] == first["ended"]
+    assert "open_session" not in meta  # step 5's progress record: replaced by the session that ended
     res = CliRunner().invoke(app, ["train", "--resume", str(run.path), "--quiet"])
     assert res.exit_code == 0, res.output
     meta = open_run(run.path).meta()
