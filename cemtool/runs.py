@@ -230,32 +230,39 @@ class Run:
 
     def mark_resumed(self, device: str, **changes: Any) -> dict:
         """Status running and one more resume: called once the checkpoint has loaded, so that a resume that fails
-        leaves meta.json as it was. A session left open by a process killed with -9 (``open_session``, as of its
-        newest checkpoint: :meth:`record_progress`) joins ``sessions`` now, marked ``killed``."""
-        meta = _with_killed_session(self.meta())
+        leaves meta.json as it was. A session that a process left open (``open_session``: :meth:`record_progress`)
+        joins ``sessions`` now, marked ``unended``."""
+        meta = _with_unended_session(self.meta())
         meta.update(status="running", resumed=meta.get("resumed", 0) + 1, device=device, **changes)
         self._write_meta(meta)
         return meta
 
     def record_progress(self, session: dict, **changes: Any) -> None:
-        """The running session as of a step checkpoint, as meta.json's ``open_session`` (``ended``: now). A process
-        killed with -9 never reaches :meth:`end_session`; the next one to train the run counts the killed session's
-        training up to its newest checkpoint (the steps after it are trained again, and counted then)."""
-        self.update_meta(open_session={**session, "ended": now()}, **changes)
+        """The running session up to a step checkpoint, as meta.json's ``open_session`` (``ended``: now), written
+        before the checkpoint is: a process that never reaches :meth:`end_session` (killed with -9, or stopped by an
+        error it does not record) is counted by the next one to train the run up to the checkpoint it last began
+        (which may not have been saved: the steps after the one a resume starts from are trained again and counted
+        again). A left-open session of another process is moved into ``sessions`` first, never overwritten."""
+        meta = self.meta()
+        if _own(meta, session):
+            del meta["open_session"]
+        meta = _with_unended_session(meta)
+        meta.update(open_session={**session, "ended": now()}, **changes)
+        self._write_meta(meta)
 
     def end_session(self, session: dict, status: str, best_effort: bool = False, **changes: Any) -> None:
         """Record the end of one process's training of this run: ``session`` (its ``started``, ``from_step``,
         ``to_step``, ``seconds`` and ``device``) is appended to meta.json's ``sessions`` with its ``ended`` time,
         and ``train_seconds`` becomes the sum over the run's sessions, so a resumed run counts every session's
-        training, not only its last (a killed one up to its newest checkpoint). A run written before sessions were
-        recorded keeps what it knew of its earlier training as one session with unknown start and steps.
+        training, not only its last (an unended one up to its last checkpoint). A run written before sessions
+        were recorded keeps what it knew of its earlier training as one session with unknown start and steps.
         ``best_effort``: a failure to write is ignored (a failing run must not hide its own error behind a full
         disk)."""
         try:
             meta = self.meta()
-            if (meta.get("open_session") or {}).get("started") == session.get("started"):
+            if _own(meta, session):
                 del meta["open_session"]  # this process's own progress record: the session below replaces it
-            meta = _with_killed_session(meta)
+            meta = _with_unended_session(meta)
             sessions = [*meta["sessions"], {**session, "ended": now()}]
             meta.update(status=status, ended=sessions[-1]["ended"], sessions=sessions,
                         train_seconds=_seconds(sessions), **changes)
@@ -521,19 +528,25 @@ def _seconds(sessions: list[dict]) -> float:
     return sum(s.get("seconds") or 0.0 for s in sessions)
 
 
-def _with_killed_session(meta: dict) -> dict:
+def _own(meta: dict, session: dict) -> bool:
+    """Whether meta.json's ``open_session`` is this process's (the same start)."""
+    left = meta.get("open_session")
+    return isinstance(left, dict) and left.get("started") == session.get("started")
+
+
+def _with_unended_session(meta: dict) -> dict:
     """``meta`` with its ``sessions`` a list (a run written before sessions were recorded: its last known training
-    as one session of unknown start and steps) and a left-open session (a process killed with -9) moved into it,
-    marked ``killed``; ``train_seconds`` their sum. A copy: ``meta`` itself is not changed."""
+    as one session of unknown start and steps) and a left-open session (a process that never recorded its end)
+    moved into it, marked ``unended``; ``train_seconds`` their sum. A copy: ``meta`` itself is not changed."""
     meta = dict(meta)
     sessions = meta.get("sessions")
     if not isinstance(sessions, list):
         sessions = [] if meta.get("train_seconds") is None else [
             {"started": None, "ended": meta.get("ended"), "from_step": None, "to_step": None,
              "seconds": meta["train_seconds"], "device": meta.get("device")}]
-    killed = meta.pop("open_session", None)
-    if isinstance(killed, dict):
-        sessions = [*sessions, {**killed, "killed": True}]
+    left = meta.pop("open_session", None)
+    if isinstance(left, dict):
+        sessions = [*sessions, {**left, "unended": True}]
     meta["sessions"] = sessions
     if sessions:
         meta["train_seconds"] = _seconds(sessions)

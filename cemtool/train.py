@@ -510,13 +510,15 @@ def _now() -> str:
 
 def _checkpoint(run: Run, model, opt, step: int, tokens: int, keep: int, session: dict,
                 extra: dict | None = None) -> None:
-    """A step checkpoint (the newest ``keep`` are kept), and the session's progress up to it in meta.json, which a
-    process killed with -9 leaves for the next one to count (Run.record_progress)."""
+    """A step checkpoint (the newest ``keep`` are kept), after the session's progress up to it in meta.json, which
+    a process killed with -9 leaves for the next one to count (Run.record_progress; first, so that no kill between
+    the two loses the steps up to a saved checkpoint)."""
+    run.record_progress(session)
     save_checkpoint(run, f"step_{step:06d}", model, step=step, optimizer=opt, state={"tokens": tokens}, extra=extra)
     old = step_checkpoints(run)[:-keep]
     for p in old:
         p.unlink(missing_ok=True)
-    run.record_progress(session, step=step, last_checkpoint=f"step_{step:06d}")
+    run.update_meta(step=step, last_checkpoint=f"step_{step:06d}")
 
 
 def _restore(run: Run, model: torch.nn.Module, opt: torch.optim.Optimizer, callback: Callback | None,

@@ -719,18 +719,22 @@ def training_spans(meta: dict) -> list[tuple[float, float]]:
 
 
 def unrecorded_training(meta: dict) -> tuple[int, float]:
-    """The steps a run trained before its first recorded session, and their seconds at the run's own recorded rate:
-    a process killed with -9 before cemtool recorded a session's progress at its checkpoints (meta.json
-    ``open_session``) left no session, so its training is missing from ``train_seconds``; the next session starts
-    at that process's last checkpoint. (0, 0.0) when the sessions start at step 0 or their steps are unknown."""
+    """The steps a run trained outside its recorded sessions, and their seconds at the run's own recorded rate: a
+    process killed with -9 before cemtool recorded a session's progress at its checkpoints (meta.json
+    ``open_session``) left no session, so its training is missing from ``train_seconds``, and the next session
+    starts at that process's last checkpoint: before the first recorded session (its ``from_step``) or between two
+    (a ``from_step`` past the previous ``to_step``). (0, 0.0) when nothing is missing or the steps are unknown."""
     sessions = meta.get("sessions")
-    if not isinstance(sessions, list) or not sessions or not isinstance(sessions[0].get("from_step"), int):
+    if not isinstance(sessions, list) or not all(isinstance(s.get("from_step"), int) and
+                                                 isinstance(s.get("to_step"), int) for s in sessions):
         return 0, 0.0
-    first = sessions[0]["from_step"]
-    steps = sum(s["to_step"] - s["from_step"] for s in sessions
-                if isinstance(s.get("from_step"), int) and isinstance(s.get("to_step"), int))
+    missing, reached = 0, 0
+    for s in sessions:
+        missing += max(0, s["from_step"] - reached)
+        reached = max(reached, s["to_step"])
+    steps = sum(s["to_step"] - s["from_step"] for s in sessions)
     seconds = sum(s.get("seconds") or 0.0 for s in sessions)
-    return (first, first * seconds / steps) if first > 0 and steps > 0 else (first, 0.0)
+    return missing, (missing * seconds / steps if missing and steps > 0 else 0.0)
 
 
 def compute_time(part_dir: Path) -> dict:
@@ -782,7 +786,7 @@ def compute_markdown(c: dict) -> list[str]:
     missing = f"; {c['untimed']} run(s) have no recorded time for their training or an analysis" if c["untimed"] else ""
     lost = c.get("unrecorded") or {}
     if lost.get("runs"):
-        missing += (f"; not in these sums: {lost['runs']} run(s)' training before their first recorded session "
+        missing += (f"; not in these sums: {lost['runs']} run(s)' training outside their recorded sessions "
                     f"({lost['steps']:,} steps, about {lost['hours_estimate']:.1f} h at each run's own recorded "
                     f"rate), nor in the wall time below: processes killed with -9 before sessions were recorded at "
                     f"checkpoints")

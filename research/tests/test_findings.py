@@ -154,21 +154,25 @@ def test_training_spans_are_the_sessions_not_the_gap_between_them():
     assert F.training_spans({"started": at(0), "ended": None}) == []
 
 
-def test_training_before_the_first_recorded_session_is_estimated_at_the_runs_own_rate():
+def test_training_outside_the_recorded_sessions_is_estimated_at_the_runs_own_rate():
     """A run whose process was killed with -9 before sessions were recorded at checkpoints has sessions from its
-    last checkpoint on: the missing steps are the first session's from_step, their time the run's recorded
-    seconds per step; nothing is missing when the sessions start at 0 (a killed session recorded) or the steps are
-    unknown."""
+    last checkpoint on: the missing steps are those before the first session's from_step or between sessions,
+    their time the run's recorded seconds per step; nothing is missing when the sessions cover every step (an
+    unended session recorded, or overlapping after a resume from an older checkpoint) or the steps are unknown."""
     s = lambda a, b, sec, **k: {"from_step": a, "to_step": b, "seconds": sec, **k}  # noqa: E731
     assert F.unrecorded_training({"sessions": [s(1200, 3360, 300.0)]}) == (1200, pytest.approx(1200 * 300 / 2160))
     two = {"sessions": [s(600, 1000, 50.0), s(1000, 3000, 250.0)]}  # two recorded sessions after a lost one
     assert F.unrecorded_training(two) == (600, pytest.approx(600 * 300 / 2400))
-    assert F.unrecorded_training({"sessions": [s(0, 1200, 90.0, killed=True), s(1200, 3360, 300.0)]}) == (0, 0.0)
+    gap = {"sessions": [s(0, 1000, 100.0), s(1400, 3000, 200.0)]}  # a process lost between two recorded ones
+    assert F.unrecorded_training(gap) == (400, pytest.approx(400 * 300 / 2600))
+    # an unended session recorded, and a resume from an older checkpoint (overlapping steps): nothing missing
+    assert F.unrecorded_training({"sessions": [s(0, 1200, 90.0, unended=True), s(1200, 3360, 300.0)]}) == (0, 0.0)
+    assert F.unrecorded_training({"sessions": [s(0, 1200, 90.0, unended=True), s(1000, 3360, 300.0)]}) == (0, 0.0)
     assert F.unrecorded_training({"sessions": [s(None, None, 12.5), s(30, 30, 1.5)]}) == (0, 0.0)
     assert F.unrecorded_training({"train_seconds": 5.0}) == (0, 0.0) == F.unrecorded_training({"sessions": []})
     c = {"items": 3, "untimed": 0, "train_hours": 1.0, "analysis_hours": 0.1, "machines": {"cpu": 3},
          "unrecorded": {"runs": 2, "steps": 1800, "hours_estimate": 0.25}}
-    assert "not in these sums: 2 run(s)' training before their first recorded session (1,800 steps, about 0.2 h" \
+    assert "not in these sums: 2 run(s)' training outside their recorded sessions (1,800 steps, about 0.2 h" \
         in F.compute_markdown(c)[0]
     assert "not in these sums" not in F.compute_markdown({**c, "unrecorded": {"runs": 0}})[0]
 

@@ -94,11 +94,11 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
                             stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
 
-    def progress_recorded() -> bool:  # the first step checkpoint and its session's progress in meta.json
+    def saved() -> bool:  # the first step checkpoint (its session's progress in meta.json comes before it)
         meta = killed / "meta.json"
-        return meta.exists() and "open_session" in meta.read_text()
+        return meta.exists() and "last_checkpoint" in meta.read_text()
 
-    while not progress_recorded() and proc.poll() is None and time.time() < deadline:
+    while not saved() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.002)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -113,11 +113,13 @@ def test_kill_and_resume_is_bit_exact(tmp_path, text_file):
     assert losses(ref) == losses(killed)
     meta = json.loads((killed / "meta.json").read_text())
     assert meta["status"] == "completed" and meta["resumed"] == 1
-    # the killed process's training up to its checkpoint is counted: a session marked killed, then the resumed one
+    # the killed process's training up to its checkpoint is counted: a session marked unended, then the resumed one
+    # (from that checkpoint, or from the one before if the kill came while the next was being written)
     dead, resumed = meta["sessions"]
-    assert dead["killed"] and dead["from_step"] == 0 and dead["to_step"] == resumed["from_step"] > 0
-    assert dead["to_step"] % 20 == 0 and dead["seconds"] > 0 and dead["started"] <= dead["ended"] <= resumed["started"]
-    assert "killed" not in resumed and resumed["to_step"] == 120 and "open_session" not in meta
+    assert dead["unended"] and dead["from_step"] == 0 and dead["to_step"] % 20 == 0 and dead["seconds"] > 0
+    assert resumed["from_step"] in (dead["to_step"], dead["to_step"] - 20) and resumed["from_step"] > 0
+    assert dead["started"] <= dead["ended"] <= resumed["started"]
+    assert "unended" not in resumed and resumed["to_step"] == 120 and "open_session" not in meta
     assert meta["train_seconds"] == pytest.approx(dead["seconds"] + resumed["seconds"], rel=1e-12)
     # resuming a completed run is refused, and leaves it as it was
     again = CliRunner().invoke(app, ["train", "--resume", str(killed), "--quiet"])

@@ -184,3 +184,41 @@ def test_a_file_is_not_a_run_directory(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(CemtoolError, match="is a file, not a run directory"):
         open_run(f)
+
+
+def test_sessions_left_open_are_counted_once_each_in_order(tmp_path):
+    """Two processes that never end (killed with -9 after a checkpoint's progress record) and a third that ends:
+    each left-open session joins ``sessions`` once, marked unended, as of its newest record, and train_seconds is
+    the sum of the three. A process's own record is replaced, not counted, and a record never overwrites another
+    process's. Fails if a left-open session is dropped or overwritten instead of moved, or if a process's own
+    record is counted beside its session."""
+    from cemtool.config import RunConfig
+
+    run = create_run(tmp_path / "r", RunConfig())
+    s = lambda t, a, b, sec: {"started": t, "from_step": a, "to_step": b, "seconds": sec, "device": "cpu"}  # noqa: E731
+    run.record_progress(s("t1", 0, 10, 1.0))
+    run.record_progress(s("t1", 0, 20, 2.0))  # the same process's newer checkpoint replaces its record
+    assert "sessions" not in run.meta() or run.meta()["sessions"] == []
+    run.mark_resumed("cpu")
+    run.record_progress(s("t2", 20, 30, 4.0))
+    run.mark_resumed("cpu")
+    run.record_progress(s("t3", 30, 40, 6.0))  # replaced by its own session when it ends
+    run.end_session(s("t3", 30, 50, 8.0), "completed")
+    meta = run.meta()
+    assert [(x["started"], x["to_step"], x.get("unended", False)) for x in meta["sessions"]] == [
+        ("t1", 20, True), ("t2", 30, True), ("t3", 50, False)]
+    assert meta["train_seconds"] == 14.0 and "open_session" not in meta and meta["resumed"] == 2
+    # a record finding another process's left-open session (no resume between) moves it in first
+    other = create_run(tmp_path / "o", RunConfig())
+    other.record_progress(s("t1", 0, 10, 1.0))
+    other.record_progress(s("t2", 10, 20, 3.0))
+    meta = other.meta()
+    assert [x["started"] for x in meta["sessions"]] == ["t1"] and meta["open_session"]["started"] == "t2"
+    assert meta["train_seconds"] == 1.0
+    # a hand-edited record that is not an object does not hide a failing run's own error
+    meta["open_session"] = "junk"
+    (other.path / "meta.json").write_text(json.dumps(meta))
+    other.end_session(s("t3", 20, 20, 0.5), "failed", best_effort=True)
+    assert other.meta()["status"] == "failed" and other.meta()["train_seconds"] == 1.5
+    run.unlock()
+    other.unlock()
