@@ -222,32 +222,28 @@ class Run:
         return meta
 
     def update_meta(self, **changes: Any) -> dict:
-        self.check_same()
         meta = self.meta()
         meta.update(changes)
-        atomic_write_json(self.path / "meta.json", meta)
+        self._write_meta(meta)
         return meta
 
     def mark_resumed(self, device: str, **changes: Any) -> dict:
         """Status running and one more resume: called once the checkpoint has loaded, so that a resume that fails
         leaves meta.json as it was. A session that a process left open (``open_session``: :meth:`record_progress`)
         joins ``sessions`` now, marked ``unended``."""
-        meta = _with_unended_session(self.meta())
+        meta = _with_unended_session(self.meta(), None)
         meta.update(status="running", resumed=meta.get("resumed", 0) + 1, device=device, **changes)
         self._write_meta(meta)
         return meta
 
-    def record_progress(self, session: dict, **changes: Any) -> None:
+    def record_progress(self, session: dict) -> None:
         """The running session up to a step checkpoint, as meta.json's ``open_session`` (``ended``: now), written
         before the checkpoint is: a process that never reaches :meth:`end_session` (killed with -9, or stopped by an
         error it does not record) is counted by the next one to train the run up to the checkpoint it last began
         (which may not have been saved: the steps after the one a resume starts from are trained again and counted
         again). A left-open session of another process is moved into ``sessions`` first, never overwritten."""
-        meta = self.meta()
-        if _own(meta, session):
-            del meta["open_session"]
-        meta = _with_unended_session(meta)
-        meta.update(open_session={**session, "ended": now()}, **changes)
+        meta = _with_unended_session(self.meta(), session)
+        meta["open_session"] = {**session, "ended": now()}
         self._write_meta(meta)
 
     def end_session(self, session: dict, status: str, best_effort: bool = False, **changes: Any) -> None:
@@ -259,10 +255,7 @@ class Run:
         ``best_effort``: a failure to write is ignored (a failing run must not hide its own error behind a full
         disk)."""
         try:
-            meta = self.meta()
-            if _own(meta, session):
-                del meta["open_session"]  # this process's own progress record: the session below replaces it
-            meta = _with_unended_session(meta)
+            meta = _with_unended_session(self.meta(), session)
             sessions = [*meta["sessions"], {**session, "ended": now()}]
             meta.update(status=status, ended=sessions[-1]["ended"], sessions=sessions,
                         train_seconds=_seconds(sessions), **changes)
@@ -528,16 +521,12 @@ def _seconds(sessions: list[dict]) -> float:
     return sum(s.get("seconds") or 0.0 for s in sessions)
 
 
-def _own(meta: dict, session: dict) -> bool:
-    """Whether meta.json's ``open_session`` is this process's (the same start)."""
-    left = meta.get("open_session")
-    return isinstance(left, dict) and left.get("started") == session.get("started")
-
-
-def _with_unended_session(meta: dict) -> dict:
+def _with_unended_session(meta: dict, own: dict | None) -> dict:
     """``meta`` with its ``sessions`` a list (a run written before sessions were recorded: its last known training
-    as one session of unknown start and steps) and a left-open session (a process that never recorded its end)
-    moved into it, marked ``unended``; ``train_seconds`` their sum. A copy: ``meta`` itself is not changed."""
+    as one session of unknown start and steps) and its ``open_session`` removed: moved into ``sessions``, marked
+    ``unended``, if another process left it (a process that never recorded its end), dropped if it is ``own``'s
+    (this process's progress record, the same start, which its newer record or its ended session replaces);
+    ``train_seconds`` their sum. A copy: ``meta`` itself is not changed."""
     meta = dict(meta)
     sessions = meta.get("sessions")
     if not isinstance(sessions, list):
@@ -545,7 +534,7 @@ def _with_unended_session(meta: dict) -> dict:
             {"started": None, "ended": meta.get("ended"), "from_step": None, "to_step": None,
              "seconds": meta["train_seconds"], "device": meta.get("device")}]
     left = meta.pop("open_session", None)
-    if isinstance(left, dict):
+    if isinstance(left, dict) and (own is None or left.get("started") != own.get("started")):
         sessions = [*sessions, {**left, "unended": True}]
     meta["sessions"] = sessions
     if sessions:
